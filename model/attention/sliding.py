@@ -1,0 +1,47 @@
+"""Sliding-window GQA attention with RoPE (S layers). The cache keeps only the last `sliding_window - 1`
+tokens' keys/values: all that the next token can see besides itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention.mask import attention_mask
+from model.config import MarathonConfig
+from model.rope import RotaryEmbedding, apply_rotary
+
+
+class SlidingWindowAttention(nn.Module):
+    def __init__(self, config: MarathonConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D = config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.window = config.sliding_window
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
+
+    def forward(self, x, position_ids, cache=None, seg_ids=None, attn_mask_2d=None):
+        """x [B, T, D]; position_ids [B, T]; cache: `SlidingKVCache` or None; seg_ids [T] for packed rows;
+        attn_mask_2d [B, past+T] (HF padding mask) or None. Returns [B, T, D]."""
+        B, T, _ = x.shape
+        Hq, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.rotary(position_ids)
+        q = apply_rotary(self.q_proj(x).view(B, T, Hq, hd), cos, sin).transpose(1, 2)  # [B, Hq, T, hd]
+        k = apply_rotary(self.k_proj(x).view(B, T, Hkv, hd), cos, sin).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
+        past = 0
+        if cache is not None:
+            past = cache.seen
+            k, v = cache.update(k, v, keep=self.window - 1)  # [B, Hkv, kv_len, hd]
+        kv_len = k.shape[2]
+        key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -kv_len:]
+        mask = attention_mask(T, kv_len, past, self.window, seg_ids, key_mask)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hq != Hkv
+        )  # [B, Hq, T, hd]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * hd))

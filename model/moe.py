@@ -1,0 +1,188 @@
+"""Mixture of experts: sigmoid router with logit clipping, top-k, quantile balancing (no auxiliary loss),
+fine-grained SwiGLU experts computed as grouped matmuls over expert-sorted tokens, plus shared experts.
+
+Routing, per token (N tokens, E experts):
+    s        = sigmoid(clamp(x W_r^T, -c, c))                       [N, E] fp32, c = router_logit_clip
+    select   = top-k of  s * scale   ("quantile" mode)  |  s + b  ("bias" mode)  |  s  ("none")
+    weights  = s[select] / sum(s[select]) * routed_scaling_factor   (unbiased scores: balancing never
+               changes the weights' values, only which experts are picked)
+
+Balancing state (buffers, saved in the checkpoint) is updated only by training-mode forwards, and lazily: a
+forward stashes its routing statistics and the next training forward applies them (`Router.apply_pending`),
+so gradient-checkpoint recomputation routes exactly as the original forward did.
+    "quantile": relative load EMA (1.0 = fair share); experts above the `router_high_quantile` of the EMA get
+                scale *= router_shrink_factor, those below `router_low_quantile` scale *= router_boost_factor.
+    "bias":     alpha_i = (k+1)-th largest of s_i + b;  r_ij = alpha_i - s_ij;
+                b_j <- quantile_i(r_ij, k/E);  b <- b - mean(b)   (DESIGN_NOTES' published form)
+
+Expert weights: `experts.gate_up_proj` [E, D, 2F] (gate = first F columns, up = last F), `experts.down_proj`
+[E, F, D] - (in, out) layout, as `kernels.grouped_mm_reference` takes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from model.config import MarathonConfig
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    fn = getattr(kernels, "grouped_mm", None) or kernels.grouped_mm_reference
+    return fn(x, w, offsets)
+
+
+class SwiGLU(nn.Module):
+    """Dense MLP (first_k_dense layers) and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, config: MarathonConfig):
+        super().__init__()
+        E = config.n_routed_experts
+        self.config = config
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
+        self.register_buffer("load_ema", torch.ones(E))  # relative load, 1.0 = fair share
+        self.register_buffer("expert_scale", torch.ones(E))  # "quantile" mode selection scale
+        self.register_buffer("expert_bias", torch.zeros(E))  # "bias" mode selection bias
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # last training batch
+        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> sigmoid scores [N, E] fp32."""
+        logits = F.linear(x.float(), self.weight.float())
+        return torch.sigmoid(logits.clamp(-self.config.router_logit_clip, self.config.router_logit_clip))
+
+    def selection_scores(self, s: torch.Tensor) -> torch.Tensor:
+        mode = self.config.router_balance_mode
+        if mode == "quantile":
+            return s * self.expert_scale
+        if mode == "bias":
+            return s + self.expert_bias
+        return s
+
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, experts [N, k] int64). `forced` [N, k] replays a recorded selection."""
+        s = self.scores(x)
+        if forced is None:
+            with torch.no_grad():
+                idx = self.selection_scores(s).topk(self.top_k, dim=-1).indices
+        else:
+            if forced.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"routed_experts for this layer must be [{x.shape[0]}, {self.top_k}], got {list(forced.shape)}")
+            idx = forced.to(x.device, torch.long)
+        w = s.gather(-1, idx)
+        w = w / w.sum(-1, keepdim=True).clamp(min=1e-20) * self.config.routed_scaling_factor
+        if self.training:
+            self._stash(s.detach(), idx)
+        return w, idx
+
+    @torch.no_grad()
+    def _stash(self, s: torch.Tensor, idx: torch.Tensor) -> None:
+        E = s.shape[-1]
+        counts = torch.bincount(idx.reshape(-1), minlength=E).float()
+        bias_estimate = None
+        if self.config.router_balance_mode == "bias" and s.shape[0] > 0:
+            k = self.top_k
+            alpha = (s + self.expert_bias).topk(k + 1, dim=-1).values[:, -1:]  # [N, 1]
+            r = alpha - s  # [N, E]
+            rank = max(1, round(k / E * s.shape[0]))
+            bias_estimate = r.kthvalue(rank, dim=0).values  # [E] quantile at level k/E
+        self._pending = (counts, bias_estimate)
+
+    @torch.no_grad()
+    def apply_pending(self) -> None:
+        """Fold the last training forward's routing statistics into the balancing buffers."""
+        if self._pending is None:
+            return
+        counts, bias_estimate = self._pending
+        self._pending = None
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)
+            if bias_estimate is not None:
+                dist.all_reduce(bias_estimate)
+                bias_estimate /= dist.get_world_size()
+        cfg, E = self.config, counts.numel()
+        self.tokens_per_expert.copy_(counts)
+        total = counts.sum()
+        if total == 0:
+            return
+        load = counts * E / total  # 1.0 = fair share
+        self.load_ema.mul_(cfg.router_ema_decay).add_((1 - cfg.router_ema_decay) * load)
+        if cfg.router_balance_mode == "quantile":
+            hi = torch.quantile(self.load_ema, cfg.router_high_quantile)
+            lo = torch.quantile(self.load_ema, cfg.router_low_quantile)
+            factor = torch.ones_like(self.expert_scale)
+            factor[self.load_ema > hi] = cfg.router_shrink_factor
+            factor[self.load_ema < lo] = cfg.router_boost_factor
+            self.expert_scale.mul_(factor).clamp_(*cfg.router_scale_bounds)
+        elif cfg.router_balance_mode == "bias" and bias_estimate is not None:
+            target = bias_estimate - bias_estimate.mean()
+            self.expert_bias.mul_(1 - cfg.router_bias_rate).add_(cfg.router_bias_rate * target)
+
+    def stats(self) -> dict:
+        """Per-expert relative load (EMA and last batch), max/mean of the last batch, idle experts."""
+        counts = self.tokens_per_expert
+        mean = counts.mean().clamp(min=1e-9)
+        return {
+            "load_ema": self.load_ema.clone(),
+            "tokens_per_expert": counts.clone(),
+            "max_over_mean": float(counts.max() / mean),
+            "dead_experts": int((counts == 0).sum()),
+        }
+
+
+class Experts(nn.Module):
+    def __init__(self, config: MarathonConfig):
+        super().__init__()
+        E, D, Fi = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, D, 2 * Fi))
+        self.down_proj = nn.Parameter(torch.empty(E, Fi, D))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [N, D], weights/idx [N, k] -> [N, D]. Tokens are sorted by expert; one GEMM per expert segment."""
+        N, k = idx.shape
+        E = self.gate_up_proj.shape[0]
+        flat = idx.reshape(-1)  # [N*k]
+        order = torch.argsort(flat, stable=True)
+        offsets = F.pad(torch.bincount(flat, minlength=E).cumsum(0), (1, 0))  # [E+1]
+        token = order // k  # source token of each sorted row
+        h = grouped_mm(x[token], self.gate_up_proj, offsets)  # [N*k, 2F]
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj, offsets)  # [N*k, D]
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: MarathonConfig):
+        super().__init__()
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = (
+            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (out [B, T, D], selected experts [B*T, k])."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        w, idx = self.router(flat, forced)
+        out = self.experts(flat, w, idx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x), idx
