@@ -1,7 +1,53 @@
 """Marathon's kernels. Each op has a plain PyTorch reference; the functions exported here pick the fastest
 path available for the inputs (a Triton kernel on CUDA when present, else the PyTorch path)."""
 
+from __future__ import annotations
+
+import torch
+
+from kernels.chunked_gated_delta import chunk_gated_delta_rule
 from kernels.gated_delta import gated_delta_rule_step, recurrent_gated_delta_rule
 from kernels.grouped_gemm import grouped_mm_reference
 
-__all__ = ["gated_delta_rule_step", "recurrent_gated_delta_rule", "grouped_mm_reference"]
+try:  # triton is absent on CPU-only installs
+    from kernels.gated_delta_triton import BT as TRITON_CHUNK
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+except ImportError:
+    chunk_gated_delta_rule_triton = None
+
+
+def _triton_handles(q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int) -> bool:
+    """The Triton kernel: CUDA tensors, one chunk length, no packing, power-of-two head dims in [16, 256]."""
+    if chunk_gated_delta_rule_triton is None or not q.is_cuda or cu_seqlens is not None or chunk_size != TRITON_CHUNK:
+        return False
+    return all(16 <= d <= 256 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over a sequence (signature of ``chunk_gated_delta_rule``): the Triton kernel for
+    CUDA tensors when it imports and handles the shapes, else the chunked PyTorch form."""
+    if _triton_handles(q, v, cu_seqlens, chunk_size):
+        return chunk_gated_delta_rule_triton(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+        )
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "gated_delta_rule",
+    "gated_delta_rule_step",
+    "grouped_mm_reference",
+    "recurrent_gated_delta_rule",
+]
