@@ -9,7 +9,7 @@ import sys
 
 from marathon import __version__
 
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("env",)
 
 
 def build_parser() -> argparse.ArgumentParser:

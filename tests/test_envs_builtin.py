@@ -1,0 +1,146 @@
+"""Built-in environments: oracle solves every seed, determinism, seed splits, registry, safety limits."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+
+import envs
+from envs.calculator import CalcError, evaluate
+from envs.episodes import RandomPolicy, obs_fingerprint, oracle_policy, run_episode, success_rate
+from envs.haystack import Haystack
+from envs.sandbox import SandboxLimits, network_isolation, run_python
+
+BUILTINS = ["marathon/Arithmetic-v0", "marathon/Retrieval-v0", "marathon/CodeSandbox-v0"]
+FAST = {"marathon/Retrieval-v0": {"n_tokens": 20_000}}  # hard = 1M words; the haystack test covers that size
+
+
+@pytest.mark.parametrize("env_id", BUILTINS)
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_oracle_solves_every_seed(env_id, difficulty):
+    env = envs.make(env_id, difficulty=difficulty, **(FAST.get(env_id, {}) if difficulty == "hard" else {}))
+    seeds = envs.train_seeds(4) + envs.heldout_seeds(4) if env_id != "marathon/CodeSandbox-v0" else envs.train_seeds(4)
+    assert success_rate(env, oracle_policy, seeds) == 1.0
+    assert success_rate(env, RandomPolicy(0), seeds) < 1.0
+    env.close()
+
+
+@pytest.mark.parametrize("env_id", BUILTINS)
+def test_same_seed_same_task(env_id):
+    env = envs.make(env_id)
+    a, b, c = (obs_fingerprint(env.reset(seed=s)[0]) for s in (7, 7, 8))
+    assert a == b and a != c
+    # the whole oracle transcript is reproducible too
+    assert run_episode(env, oracle_policy, 3).messages == run_episode(env, oracle_policy, 3).messages
+    env.close()
+
+
+def test_hard_arithmetic_needs_several_calls_and_easy_is_short():
+    hard = run_episode(envs.make("marathon/Arithmetic-v0", difficulty="hard"), oracle_policy, 0)
+    assert hard.info["tool_calls"] == 3 and "Let a = " in hard.messages[1]["content"]
+    easy = run_episode(envs.make("marathon/Arithmetic-v0"), oracle_policy, 0)
+    assert easy.info["tool_calls"] == 1 and easy.steps == 2
+    from model.tokenizer import CHAT_TEMPLATE, train_tokenizer  # test-only: envs itself knows no model
+
+    tok = train_tokenizer(512)
+    assert tok.chat_template == CHAT_TEMPLATE
+    lengths = [len(tok.apply_chat_template(run_episode(envs.make("marathon/Arithmetic-v0"), oracle_policy, s).messages))
+               for s in range(10)]
+    assert max(lengths) < 150, lengths
+
+
+def test_seed_splits_are_disjoint():
+    train, held = set(envs.train_seeds(1000)), set(envs.heldout_seeds(1000))
+    assert len(train) == len(held) == 1000 and not train & held
+    with pytest.raises(ValueError):
+        envs.train_seeds(-1)
+
+
+def test_unknown_id_names_the_known_ids():
+    with pytest.raises(envs.UnknownEnvError, match="known ids: .*marathon/Arithmetic-v0"):
+        envs.make("marathon/Arithmetc-v0")
+    ids = {e.id: e.source for e in envs.list_envs()}
+    assert all(ids[i] == "builtin" for i in BUILTINS)
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(TypeError, match="unknown ArithmeticConfig option"):
+        envs.make("marathon/Arithmetic-v0", dificulty="hard")
+    with pytest.raises(ValueError, match="difficulty must be one of"):
+        envs.make("marathon/Retrieval-v0", difficulty="extreme")
+    with pytest.raises(ValueError, match="kinds among"):
+        envs.make("marathon/CodeSandbox-v0", kinds=["rm -rf"])
+
+
+def test_million_token_haystack_streams_fast_in_constant_memory():
+    tracemalloc.start()
+    start = time.perf_counter()
+    stack = Haystack(seed=123, n_words=1_000_000, words_per_doc=500, sentences=[f"The vault code for X{i} is {i}." for i in range(100)])
+    total = sum(len(words) for _, _, words in stack.iter_docs())
+    elapsed = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert 1_000_000 <= total <= 1_000_000 + 800
+    assert elapsed < 5.0, elapsed
+    assert peak < 2 << 20, peak  # a materialised copy of 1M words would be ~60 MB
+    hits = stack.search("X42", k=5)
+    assert [h.fact.sentence for h in hits] == ["The vault code for X42 is 42."]
+    assert stack.words(hits[0].doc_id)[hits[0].offset:hits[0].offset + 7] == "The vault code for X42 is 42.".split()
+
+
+def test_retrieval_hard_episode_uses_a_million_words():
+    env = envs.make("marathon/Retrieval-v0", difficulty="hard")
+    episode = run_episode(env, oracle_policy, 5)
+    assert episode.success and env.unwrapped.haystack.n_docs == 2000 and episode.info["tool_calls"] == 6
+
+
+@pytest.mark.parametrize(
+    "expr, value",
+    [("12 * (3 + 4)", 84), ("7 // 2 + 7 % 2", 4), ("2 ** 10", 1024), ("-3 - -4", 1), ("sqrt(16) + max(1, 5)", 9.0), ("1 / 4", 0.25)],
+)
+def test_calculator_values(expr, value):
+    assert evaluate(expr) == value
+
+
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        ("9 ** 9 ** 9", "too large"),
+        ("10 ** 99 * 10 ** 99", "too large"),
+        ("2 ^ 3", r"use \*\*"),
+        ("open('x')", "unknown function"),
+        ("x + 1", "unknown name"),
+        ("(1).__class__", "unsupported syntax"),
+        ("[1, 2]", "unsupported syntax"),
+        ("1 +", "invalid expression"),
+        ("1" * 600, "longer than"),
+        ("(-8) ** 0.5", "complex"),
+        ("1e308 * 10", "too large"),
+        ("1e200 ** 2", "too large"),
+    ],
+)
+def test_calculator_rejects(expr, message):
+    with pytest.raises(CalcError, match=message):
+        evaluate(expr)
+
+
+def test_sandbox_limits(tmp_path):
+    limits = SandboxLimits(timeout_s=3, memory_mb=128, max_file_mb=1)
+    r = run_python("x = bytearray(512 * 1024 * 1024)", tmp_path, limits)
+    assert r.returncode == 1 and "MemoryError" in r.stderr
+    r = run_python("open('big', 'wb').write(b'x' * (4 << 20))", tmp_path, limits)
+    assert "File too large" in r.stderr
+    r = run_python("import socket; socket.create_connection(('127.0.0.1', 80))", tmp_path, limits)
+    assert "PermissionError: sandbox: socket" in r.stderr
+    r = run_python("import os; os.system('echo hi')", tmp_path, limits)
+    assert "not allowed" in r.stderr and "hi" not in r.stdout
+    r = run_python("import os; print(os.getcwd())", tmp_path, limits)
+    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path)
+
+
+@pytest.mark.skipif(network_isolation() != "unshare", reason="no network namespaces here; the audit hook applies")
+def test_sandbox_runs_in_an_empty_network_namespace(tmp_path):
+    r = run_python("print([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])", tmp_path)
+    assert r.stdout.strip() == "['lo']", r
