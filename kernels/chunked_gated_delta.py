@@ -24,7 +24,8 @@ gate (``-softplus``) it overflows to inf (and the matching row factor underflows
 is why the model bounds the gate.
 
 Precision, as a fast kernel would do it: every matrix product takes its operands in the input dtype
-(``k.dtype``; bf16 inputs give bf16 tile products) and accumulates in fp32. Cumulative sums, exponentials,
+(``k.dtype``; bf16 inputs give bf16 tile products; the state too is rounded when it enters a product, as a
+kernel loads it for a tensor-core dot) and accumulates in fp32. Cumulative sums, exponentials,
 the triangular solve for ``(I + A)^-1``, ``A`` itself and the recurrent state are fp32. ``o`` is returned in
 ``v.dtype``, the final state in fp32 (fp64 inputs compute everything in fp64, for tests).
 """
