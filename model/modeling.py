@@ -175,7 +175,8 @@ class MarathonModel(MarathonPreTrainedModel):
             raise ValueError("pass exactly one of input_ids / inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         B, T, _ = hidden.shape
-        use_cache = (self.config.use_cache and not self.training) if use_cache is None else use_cache
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training and cu_seqlens is None
         if use_cache and past_key_values is None:
             past_key_values = MarathonCache(self.config)
         cache = past_key_values if use_cache else None
