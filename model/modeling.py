@@ -249,6 +249,16 @@ class MarathonForCausalLM(MarathonPreTrainedModel, GenerationMixin):
     def router_stats(self) -> dict[int, dict]:
         return self.model.router_stats()
 
+    def parameter_counts(self) -> dict[str, int]:
+        """total, activated per token (shared parts + top-k of the routed experts), and the embeddings' share.
+        Works on the meta device."""
+        cfg = self.config
+        total = sum(p.numel() for p in self.parameters())
+        routed = sum(p.numel() for m in self.model.moe_layers for p in m.experts.parameters())
+        embeddings = self.model.embed_tokens.weight.numel() + (0 if cfg.tie_word_embeddings else self.lm_head.weight.numel())
+        activated = total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+        return {"total": total, "activated": activated, "embeddings": embeddings}
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
