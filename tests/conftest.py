@@ -35,3 +35,25 @@ def vllm_engine(tiny_qwen3_dir):
     )
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """Ray started once per session, quiet (worker logs stay in Ray's log dir)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
+             logging_level="ERROR", configure_logging=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rollout_worker(ray_local, tiny_qwen3_dir):
+    """One `RolloutWorker` Ray actor (its own vLLM engine) on the tiny model, shared by the session's rollout
+    tests. Tests that change its weights put the originals back."""
+    from rollout.worker import WorkerConfig, spawn_worker
+
+    worker = spawn_worker(WorkerConfig(model=str(tiny_qwen3_dir), dtype="float32", max_model_len=1024), max_restarts=0)
+    ray_local.get(worker.ready.remote())
+    return worker

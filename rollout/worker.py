@@ -1,0 +1,182 @@
+"""``RolloutWorker``: one vLLM engine inside a Ray actor. Token ids in, token ids + logprobs out; in-place weight
+updates through a vLLM worker extension (``collective_rpc``), no engine restart.
+
+The class is plain Python (usable in-process); ``spawn_worker`` makes it a restartable Ray actor. The engine runs
+in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so weights handed to ``update_weights`` reach
+the model without another serialization hop. On GPUs the same API holds (tensor-parallel engines get each rank's
+``load_weights`` through the same ``collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+WeightsArg = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How to build the engine. ``max_model_len`` is the max context of one episode (prompt + all turns)."""
+
+    model: str  # any vLLM-servable HF checkpoint dir (tokenizer files next to it)
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    seed: int = 0
+    kv_cache_gib: int = 1  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE); GPUs use gpu_memory_utilization
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    # "processed_logprobs": logprobs of the distribution actually sampled from (after temperature / top-p)
+    logprobs_mode: str = "processed_logprobs"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # anything else vllm.LLM takes
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One turn to generate: the episode's whole context so far as ids (token-in)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # e.g. the `</tool_call>` id; eos stops anyway; kept in the output
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenResult:
+    request_id: str
+    token_ids: list[int]  # sampled ids, the stop token included
+    logprobs: list[float]  # logprob of each sampled id
+    finish_reason: str  # "stop" (eos or a stop id), "length" (max_new_tokens) or "context" (max_model_len)
+    policy_version: int
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); called through ``LLM.collective_rpc``."""
+
+    def marathon_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load learner tensors (HF checkpoint names) into the served model in place; returns how many.
+
+        vLLM's in-place reload restores each layer to checkpoint layout, runs the model's own
+        ``load_weights`` (name mapping, q/k/v and gate/up stacking, TP sharding) and re-applies the
+        after-loading processing (e.g. CPU weight repacking) into the same storage. Give whole layers:
+        a layer that receives only some of its tensors is left partly stale."""
+        device = self.model_runner.device
+        self.reload_weights(
+            weights_iterator=((name, t.to(device, non_blocking=True)) for name, t in weights),
+            is_checkpoint_format=True,
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(weights)
+
+
+class RolloutWorker:
+    """A vLLM engine serving one policy version at a time."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (see module doc)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+        from vllm import LLM
+
+        self.config = config
+        self.version = 0
+        self.llm = LLM(
+            model=config.model,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            tensor_parallel_size=config.tensor_parallel_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_seqs=config.max_num_seqs,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            **config.engine_kwargs,
+        )
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "version": self.version}
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Generate all requests in one engine call (vLLM batches them); results in request order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        limit = self.config.max_model_len
+        results: dict[int, GenResult] = {}
+        prompts, params, index = [], [], []
+        for i, r in enumerate(requests):
+            room = limit - len(r.prompt_ids)
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if room < 1:  # the episode's context is full: nothing more can be generated
+                results[i] = GenResult(r.request_id, [], [], "context", self.version)
+                continue
+            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
+            params.append(
+                SamplingParams(
+                    max_tokens=min(r.max_new_tokens, room),
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    seed=r.seed,
+                    stop_token_ids=list(r.stop_token_ids),
+                    logprobs=0,  # the sampled token's logprob only
+                    detokenize=False,
+                )
+            )
+            index.append(i)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        for i, out in zip(index, outputs):
+            r, c = requests[i], out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+            reason = c.finish_reason
+            if reason == "length" and len(ids) < r.max_new_tokens:
+                reason = "context"  # clipped by max_model_len, not by the per-turn budget
+            results[i] = GenResult(r.request_id, ids, lps, reason, self.version)
+        return [results[i] for i in range(len(requests))]
+
+    def update_weights(self, weights: WeightsArg, version: int) -> float:
+        """Load new weights (HF parameter names, any subset) into the running engine; returns seconds taken.
+
+        The prefix cache is reset so no KV computed by the old weights is reused."""
+        t0 = time.perf_counter()
+        named = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        self.llm.collective_rpc("marathon_load_weights", args=(named,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+        self.version = version
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def spawn_worker(
+    config: WorkerConfig,
+    *,
+    cls: type = RolloutWorker,
+    max_restarts: int = 2,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    name: str | None = None,
+):
+    """Start ``cls(config)`` as a Ray actor that Ray restarts (re-running ``__init__``) if its process dies."""
+    import ray
+
+    actor = ray.remote(cls).options(
+        max_restarts=max_restarts, max_task_retries=0, num_cpus=num_cpus, num_gpus=num_gpus, name=name
+    )
+    return actor.remote(config)
