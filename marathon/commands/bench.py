@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES: tuple[str, ...] = ()
+BENCHES: tuple[str, ...] = ("memory",)
 
 
 def register(subparsers) -> None:
