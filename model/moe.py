@@ -55,11 +55,20 @@ class Router(nn.Module):
         self.config = config
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
-        self.register_buffer("load_ema", torch.ones(E))  # relative load, 1.0 = fair share
-        self.register_buffer("expert_scale", torch.ones(E))  # "quantile" mode selection scale
-        self.register_buffer("expert_bias", torch.zeros(E))  # "bias" mode selection bias
-        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # last training batch
+        fp32 = torch.float32
+        self.register_buffer("load_ema", torch.ones(E, dtype=fp32))  # relative load, 1.0 = fair share
+        self.register_buffer("expert_scale", torch.ones(E, dtype=fp32))  # "quantile" mode selection scale
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=fp32))  # "bias" mode selection bias
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=fp32), persistent=False)  # last batch
         self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _apply(self, fn, recurse=True):
+        """Balancing buffers stay fp32 whatever dtype the model is cast to (bf16 would swallow small updates)."""
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> sigmoid scores [N, E] fp32."""

@@ -70,6 +70,17 @@ def test_balancing_changes_selection_only_and_adds_no_loss_term():
     torch.testing.assert_close(w, s / s.sum(-1, keepdim=True) * model.config.routed_scaling_factor)
 
 
+def test_balancing_buffers_stay_fp32_in_a_bf16_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny")).to(torch.bfloat16)
+    router = model.model.layers[1].mlp.router
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.model.layers[1].mlp.router.load_ema.dtype == torch.float32
+
+
 def test_eval_forwards_leave_balancing_state_alone():
     torch.manual_seed(0)
     model = MarathonForCausalLM(MarathonConfig.from_preset("tiny")).eval()

@@ -25,25 +25,6 @@ from model.config import MarathonConfig
 from model.norm import GatedRMSNorm
 
 
-def delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
-    """Prefill / training path: returns (o [B, T, H, V], final state fp32 [B or N, H, K, V])."""
-    fn = getattr(kernels, "gated_delta_rule", None)
-    if fn is not None:
-        return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens)
-    if cu_seqlens is None:  # until kernels.gated_delta_rule lands: the recurrent reference, one row at a time
-        return kernels.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
-    bounds = cu_seqlens.tolist()
-    outs, states = [], []
-    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        init = None if initial_state is None else initial_state[i : i + 1]
-        o, s = kernels.recurrent_gated_delta_rule(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], initial_state=init, output_final_state=True
-        )
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs, dim=1), torch.cat(states, dim=0)
-
-
 class LinearAttention(nn.Module):
     def __init__(self, config: MarathonConfig, layer_idx: int):
         super().__init__()
@@ -112,7 +93,9 @@ class LinearAttention(nn.Module):
             o, state = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o.unsqueeze(1).to(x.dtype)  # [B, 1, H, V]
         else:
-            o, state = delta_rule(q, k, v, g, beta, initial_state=state, cu_seqlens=cu_seqlens)
+            o, state = kernels.gated_delta_rule(
+                q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens
+            )  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         if cache is not None:
             cache.conv_states = {"q": conv_q, "k": conv_k, "v": conv_v}
             cache.recurrent_state = state
