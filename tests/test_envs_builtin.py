@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +14,7 @@ import envs
 from envs.calculator import CalcError, evaluate
 from envs.episodes import RandomPolicy, obs_fingerprint, oracle_policy, run_episode, success_rate
 from envs.haystack import Haystack
-from envs.sandbox import SandboxLimits, network_isolation, run_python
+from envs.sandbox import SandboxLimits, isolation_prefix, network_isolation, run_python
 
 BUILTINS = ["marathon/Arithmetic-v0", "marathon/Retrieval-v0", "marathon/CodeSandbox-v0"]
 FAST = {"marathon/Retrieval-v0": {"n_tokens": 20_000}}  # hard = 1M words; the haystack test covers that size
@@ -136,11 +139,56 @@ def test_sandbox_limits(tmp_path):
     assert "PermissionError: sandbox: socket" in r.stderr
     r = run_python("import os; os.system('echo hi')", tmp_path, limits)
     assert "not allowed" in r.stderr and "hi" not in r.stdout
-    r = run_python("import os; print(os.getcwd())", tmp_path, limits)
-    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path)
+    r = run_python("import os, tempfile; print(os.getcwd(), tempfile.gettempdir())", tmp_path, limits)
+    assert r.returncode == 0 and r.stdout.split() == [str(tmp_path)] * 2
+
+
+def test_sandbox_confines_files_to_the_working_directory(tmp_path):
+    work, outside = tmp_path / "work", tmp_path / "outside.txt"
+    work.mkdir()
+    outside.write_text("keep")
+    ok = ("import os, shutil, glob, csv, json\nos.makedirs('a/b'); open('a/b/x.txt', 'w').write('1')\n"
+          "os.rename('a/b/x.txt', 'y.txt'); shutil.rmtree('a'); os.symlink('y.txt', 'link'); print(open('link').read())")
+    r = run_python(ok, work)
+    assert r.returncode == 0 and r.stdout.strip() == "1", r
+    for code in [
+        f"open({str(outside)!r}, 'a').write('x')",
+        "open('../outside.txt', 'w')",
+        f"import os; os.remove({str(outside)!r})",
+        f"import pathlib; pathlib.Path({str(outside)!r}).unlink()",
+        f"import shutil; shutil.rmtree({str(tmp_path)!r})",
+        f"import os; os.link({str(outside)!r}, 'hard')",
+        "import os; os.rename('y.txt', '../moved.txt')",
+        f"import os; fd = os.open({str(tmp_path)!r}, os.O_RDONLY)",  # listing/reading outside is refused too
+        f"import os; os.symlink({str(outside)!r}, 'sneaky'); open('sneaky').read()",
+        "import os; os.chdir('..')",
+        "import os; os.kill(1, 0)",
+    ]:
+        r = run_python(code, work)
+        assert r.returncode == 1 and "PermissionError: sandbox:" in r.stderr, (code, r)
+    assert outside.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "work"]
 
 
 @pytest.mark.skipif(network_isolation() != "unshare", reason="no network namespaces here; the audit hook applies")
-def test_sandbox_runs_in_an_empty_network_namespace(tmp_path):
-    r = run_python("print([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])", tmp_path)
-    assert r.stdout.strip() == "['lo']", r
+def test_sandbox_prefix_gives_an_empty_network_namespace():
+    read_ifaces = "print([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])"
+    out = subprocess.run([*isolation_prefix(), sys.executable, "-c", read_ifaces], capture_output=True, text=True)
+    assert out.stdout.strip() == "['lo']", out
+
+
+def test_envs_and_rewards_know_no_model():
+    code = ("import sys, envs, envs.check, envs.arithmetic, envs.retrieval, envs.code_sandbox, rewards\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'model', 'rollout', 'learner', 'kernels', 'torch'}))")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
+    assert out.stdout.strip() == "[]"
+
+
+def test_spaces_describe_actions_and_observations():
+    env = envs.make("marathon/Retrieval-v0")
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    action = env.action_space.sample()
+    assert isinstance(action, str) and env.action_space.contains(action)
+    step_obs, *_ = env.step(action)
+    assert env.observation_space.contains(step_obs) and not env.observation_space.contains({"messages": "x"})
