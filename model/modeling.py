@@ -49,7 +49,6 @@ class _Context:
     position_ids: torch.Tensor  # [B, T]
     cache: MarathonCache | None
     cu_seqlens: torch.Tensor | None  # [N+1]
-    seg_ids: torch.Tensor | None  # [T] packed rows
     pos_in_seg: torch.Tensor | None  # [T]
     attn_mask_2d: torch.Tensor | None  # [B, past+T], None when there is no padding
 
@@ -75,7 +74,7 @@ class DecoderLayer(nn.Module):
         cache = ctx.cache.layers[self.layer_idx] if ctx.cache is not None else None
         if self.kind == "L":
             return self.self_attn(x, cache, ctx.pos_in_seg, ctx.cu_seqlens, self._token_mask(ctx, x.shape[1]))
-        return self.self_attn(x, ctx.position_ids, cache, ctx.seg_ids, ctx.attn_mask_2d)
+        return self.self_attn(x, ctx.position_ids, cache, ctx.cu_seqlens, ctx.attn_mask_2d)
 
     @staticmethod
     def _token_mask(ctx: _Context, T: int) -> torch.Tensor | None:
@@ -188,17 +187,17 @@ class MarathonModel(MarathonPreTrainedModel):
             for moe in self.moe_layers:
                 moe.router.apply_pending()
 
-        seg_ids = pos_in_seg = None
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: the fast paths apply
+        pos_in_seg = None
         if cu_seqlens is not None:
             if B != 1 or cache is not None or attention_mask is not None:
-                raise ValueError("cu_seqlens packs sequences into one row: needs B == 1, no cache, no attention_mask")
+                raise ValueError("cu_seqlens packs sequences into one row: needs B == 1, no cache, no padding")
             cu_seqlens = cu_seqlens.to(hidden.device, torch.long)
             if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T or bool((cu_seqlens.diff() <= 0).any()):
                 raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
             seg_ids = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=hidden.device), cu_seqlens.diff())
             pos_in_seg = torch.arange(T, device=hidden.device) - cu_seqlens[seg_ids]
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None  # no padding: the fast paths apply
         if position_ids is None:
             if pos_in_seg is not None:
                 position_ids = pos_in_seg[None]
@@ -206,7 +205,7 @@ class MarathonModel(MarathonPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past, past + T, device=hidden.device)[None].expand(B, T)
-        ctx = _Context(position_ids, cache, cu_seqlens, seg_ids, pos_in_seg, attention_mask)
+        ctx = _Context(position_ids, cache, cu_seqlens, pos_in_seg, attention_mask)
 
         moe_ids = self.config.moe_layer_ids
         if routed_experts is not None and len(routed_experts) != len(moe_ids):

@@ -97,6 +97,17 @@ def test_generate_left_padded_batch_matches_single_rows():
         assert torch.equal(out[row, -5:], single[0, -5:])
 
 
+def test_right_padded_batch_matches_single_rows():
+    model = tiny(sliding_window=4)
+    a, b = torch.randint(0, 512, (1, 7)), torch.randint(0, 512, (1, 4))
+    batch = torch.cat([a, torch.cat([b, torch.zeros(1, 3, dtype=torch.long)], dim=1)])
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    with torch.no_grad():
+        logits = model(batch, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(logits[:1], model(a).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[1:, :4], model(b).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_packed_rows_match_separate_sequences():
     model = tiny(sliding_window=4)
     lengths = [5, 3, 7]

@@ -14,10 +14,9 @@ Keys/values are re-expanded from the latent at every step (no weight absorption:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model.attention.mask import attention_mask
+from model.attention.mask import attend
 from model.config import MarathonConfig
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding, apply_rotary
@@ -44,7 +43,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
         self.rotary = RotaryEmbedding(self.rope, config.rope_theta) if config.mla_use_rope else None
 
-    def forward(self, x, position_ids, cache=None, seg_ids=None, attn_mask_2d=None):
+    def forward(self, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):
         """Same arguments as `SlidingWindowAttention.forward`; cache is a `LatentCache`. Returns [B, T, D]."""
         B, T, _ = x.shape
         H = self.num_heads
@@ -65,7 +64,6 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)  # [B, H, S, qk]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, qk]
         key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -S:]
-        mask = attention_mask(T, S, past, None, seg_ids, key_mask)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, is_causal=mask is None and T > 1)
+        o = attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask)  # [B, H, T, v]
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x).view(B, T, H, self.v_dim))  # [B, T, H, v]
         return self.o_proj(o.reshape(B, T, H * self.v_dim))

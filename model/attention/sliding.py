@@ -4,10 +4,9 @@ tokens' keys/values: all that the next token can see besides itself."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model.attention.mask import attention_mask
+from model.attention.mask import attend
 from model.config import MarathonConfig
 from model.rope import RotaryEmbedding, apply_rotary
 
@@ -25,8 +24,8 @@ class SlidingWindowAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
 
-    def forward(self, x, position_ids, cache=None, seg_ids=None, attn_mask_2d=None):
-        """x [B, T, D]; position_ids [B, T]; cache: `SlidingKVCache` or None; seg_ids [T] for packed rows;
+    def forward(self, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):
+        """x [B, T, D]; position_ids [B, T]; cache: `SlidingKVCache` or None; cu_seqlens [N+1] for packed rows;
         attn_mask_2d [B, past+T] (HF padding mask) or None. Returns [B, T, D]."""
         B, T, _ = x.shape
         Hq, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -40,8 +39,5 @@ class SlidingWindowAttention(nn.Module):
             k, v = cache.update(k, v, keep=self.window - 1)  # [B, Hkv, kv_len, hd]
         kv_len = k.shape[2]
         key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -kv_len:]
-        mask = attention_mask(T, kv_len, past, self.window, seg_ids, key_mask)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=Hq != Hkv
-        )  # [B, Hq, T, hd]
+        o = attend(q, k, v, past, self.window, cu_seqlens, key_mask)  # [B, Hq, T, hd]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * hd))
