@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention.mask import attend
+from model.attention.sdpa import attend
 from model.config import MarathonConfig
 from model.rope import RotaryEmbedding, apply_rotary
 
