@@ -1,0 +1,266 @@
+"""Concurrent multi-round episodes on a pool of rollout workers.
+
+Each worker owns a share of the episodes. Whenever a worker is free, ALL pending turns of its live episodes go to
+it in one ``generate`` call (vLLM batches them); when the call returns, the envs step (in threads) and the
+episodes that continue are queued for that worker's next call. Workers run independently: no global barrier.
+
+Failures: a worker whose process dies mid-call (Ray restarts it, ``max_restarts``) gets its live episodes back,
+each re-run from scratch (fresh env, same seed); a worker that stays dead hands them to the others. Episodes are
+keyed by id: each returns exactly once, ``info["attempts"]`` says how many runs it took.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import envs
+from rollout.chat import ChatCodec, TokenEpisode
+from rollout.types import Trajectory
+from rollout.worker import GenRequest, GenResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_new_tokens: int = 256  # per model turn
+    max_context: int = 4096  # per episode: prompt + turns + observations (<= the workers' max_model_len)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_attempts: int = 3  # runs of one episode (first + re-runs after worker failures)
+    env_threads: int = 8  # envs stepped concurrently after each engine call
+    recover_timeout_s: float = 900.0  # wait for Ray to restart a dead worker
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    episode_id: str
+    env_id: str
+    seed: int  # the task (env.reset seed)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    sampling_seed: int | None = None  # set: turn t samples with seed (sampling_seed, t); a re-run replays it
+
+
+@dataclass
+class RunStats:
+    engine_calls: int = 0
+    turns: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    worker_failures: int = 0
+    episode_reruns: int = 0
+
+
+class WorkerPool:
+    """Rollout worker actors and the policy version they must serve (re-sent to a worker Ray restarted)."""
+
+    def __init__(self, workers: Sequence[Any], version: int = 0) -> None:
+        if not workers:
+            raise ValueError("a worker pool needs at least one worker")
+        self.workers = list(workers)
+        self.version = version
+        self._weights_ref = None  # the latest weights in Ray's object store, for workers that restart
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> list[float]:
+        """Send new weights (HF names) to every worker through one object-store copy; seconds per worker."""
+        import ray
+
+        named = [(k, v.detach().contiguous()) for k, v in (weights.items() if isinstance(weights, Mapping) else weights)]
+        ref = ray.put(named)
+        seconds = ray.get([w.update_weights.remote(ref, version) for w in self.workers])
+        self._weights_ref, self.version = ref, version
+        return seconds
+
+    def recover(self, index: int, timeout_s: float) -> bool:
+        """After a failed call: True once worker ``index`` is back (restarted and serving ``self.version``),
+        False if Ray gave up on it."""
+        import ray
+
+        worker = self.workers[index]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                state = ray.get(worker.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting: Ray refuses calls until it is back
+                if time.monotonic() > deadline:
+                    log.warning("rollout worker %d did not come back within %.0f s", index, timeout_s)
+                    return False
+                time.sleep(0.5)
+            except (ray.exceptions.ActorDiedError, ray.exceptions.GetTimeoutError) as e:
+                log.warning("rollout worker %d is gone: %s", index, e)
+                return False
+        if state["version"] != self.version:
+            if self._weights_ref is None:
+                raise RuntimeError(f"worker {index} serves version {state['version']}, the pool expects "
+                                   f"{self.version}, and holds no weights to re-send")
+            ray.get(worker.update_weights.remote(self._weights_ref, self.version))
+        return True
+
+
+@dataclass
+class _Episode:
+    spec: EpisodeSpec
+    attempt: int
+    env: Any = None
+    tools: list[dict] | None = None
+    tokens: TokenEpisode | None = None
+    turns: int = 0
+    versions: set[int] = field(default_factory=set)
+    info: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False
+    finish: str = ""
+
+
+class EpisodeRunner:
+    """Drives episodes on a ``WorkerPool``; returns one ``Trajectory`` per ``EpisodeSpec`` (rewards unset)."""
+
+    def __init__(self, pool: WorkerPool, codec: ChatCodec, config: RolloutConfig) -> None:
+        self.pool = pool
+        self.codec = codec
+        self.config = config
+        self.stats = RunStats()
+
+    # -- one episode ------------------------------------------------------------------------------------------
+    def _start(self, spec: EpisodeSpec, attempt: int) -> _Episode:
+        ep = _Episode(spec, attempt, env=envs.make(spec.env_id, **spec.env_kwargs))
+        obs, _ = ep.env.reset(seed=spec.seed)
+        ep.tools = obs.get("tools")
+        ep.tokens = TokenEpisode.start(self.codec.prompt_ids(obs["messages"], ep.tools))
+        if len(ep.tokens) >= self.config.max_context:
+            raise ValueError(f"episode {spec.episode_id}: the prompt ({len(ep.tokens)} tokens) does not fit "
+                             f"max_context={self.config.max_context}")
+        return ep
+
+    @staticmethod
+    def _request_id(ep: _Episode) -> str:
+        return f"{ep.spec.episode_id}/{ep.attempt}/{ep.turns}"
+
+    def _request(self, ep: _Episode) -> GenRequest:
+        room = self.config.max_context - len(ep.tokens)
+        seed = None if ep.spec.sampling_seed is None else (ep.spec.sampling_seed * 1_000_003 + ep.turns) % 2**31
+        return GenRequest(
+            request_id=self._request_id(ep),
+            prompt_ids=list(ep.tokens.token_ids),
+            max_new_tokens=min(self.config.max_new_tokens, room),
+            stop_token_ids=self.codec.stop_token_ids,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            seed=seed,
+        )
+
+    def _advance(self, ep: _Episode, result: GenResult) -> bool:
+        """Apply a model turn and step the env; True if the episode continues."""
+        if result.request_id != self._request_id(ep):
+            raise RuntimeError(f"result {result.request_id} does not belong to turn {self._request_id(ep)}")
+        ep.tokens.add_model_turn(result.token_ids, result.logprobs)
+        ep.turns += 1
+        ep.versions.add(result.policy_version)
+        if result.finish_reason == "context":  # cut off by the episode's context: the turn is incomplete
+            ep.truncated, ep.finish = True, "context"
+            return False
+        obs, _, terminated, truncated, info = ep.env.step(self.codec.turn_text(result.token_ids))
+        ep.info = info
+        if terminated or truncated:
+            ep.truncated, ep.finish = truncated, "truncated" if truncated else "terminated"
+            return False
+        delta = self.codec.observation_ids(result.token_ids, obs["messages"], ep.tools)
+        if len(ep.tokens) + len(delta) >= self.config.max_context:  # no room left for another turn
+            ep.truncated, ep.finish = True, "context"
+            return False
+        ep.tokens.add_observation(delta)
+        return True
+
+    def _trajectory(self, ep: _Episode, worker: int) -> Trajectory:
+        ep.env.close()
+        t = ep.tokens
+        return Trajectory(
+            episode_id=ep.spec.episode_id,
+            env_id=ep.spec.env_id,
+            seed=ep.spec.seed,
+            token_ids=t.token_ids,
+            loss_mask=t.loss_mask,
+            logprobs=t.logprobs,
+            prompt_len=t.prompt_len,
+            num_turns=ep.turns,
+            success=bool(ep.info.get("success", False)),
+            truncated=ep.truncated,
+            info={"env": ep.info, "attempts": ep.attempt, "finish": ep.finish, "worker": worker},
+            policy_version=min(ep.versions),
+        )
+
+    # -- the pool loop ----------------------------------------------------------------------------------------
+    def run(self, specs: Sequence[EpisodeSpec]) -> list[Trajectory]:
+        import ray
+
+        ids = [s.episode_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("episode ids must be unique")
+        n = len(self.pool.workers)
+        alive = [True] * n
+        pending: list[list[_Episode]] = [[] for _ in range(n)]
+        for i, spec in enumerate(specs):
+            pending[i % n].append(self._start(spec, attempt=1))
+        inflight: dict[Any, tuple[int, list[_Episode]]] = {}
+        done: dict[str, Trajectory] = {}
+
+        def submit(w: int) -> None:
+            batch, pending[w] = pending[w], []
+            ref = self.pool.workers[w].generate.remote([self._request(ep) for ep in batch])
+            inflight[ref] = (w, batch)
+            self.stats.engine_calls += 1
+            self.stats.batch_sizes.append(len(batch))
+
+        with ThreadPoolExecutor(max_workers=self.config.env_threads) as threads:
+            for w in range(n):
+                if pending[w]:
+                    submit(w)
+            while inflight:
+                (ref,), _ = ray.wait(list(inflight), num_returns=1)
+                w, batch = inflight.pop(ref)
+                try:
+                    results = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._rerun(w, batch, e, alive, pending)
+                else:
+                    going = list(threads.map(self._advance, batch, results))
+                    self.stats.turns += len(batch)
+                    for ep, cont in zip(batch, going):
+                        if cont:
+                            pending[w].append(ep)
+                        else:
+                            done[ep.spec.episode_id] = self._trajectory(ep, w)
+                busy = {v for v, _ in inflight.values()}
+                for v in range(n):
+                    if alive[v] and pending[v] and v not in busy:
+                        submit(v)
+        assert len(done) == len(specs), "an episode was lost"
+        return [done[i] for i in ids]
+
+    def _rerun(self, w: int, batch: list[_Episode], error: Exception, alive: list[bool], pending: list[list[_Episode]]) -> None:
+        """Worker ``w`` died during a call: restart its episodes from scratch, on it or on the others."""
+        self.stats.worker_failures += 1
+        log.warning("rollout worker %d failed mid-batch (%s); re-running %d episodes", w, type(error).__name__, len(batch))
+        fresh = []
+        for ep in batch:
+            ep.env.close()
+            if ep.attempt >= self.config.max_attempts:
+                raise RuntimeError(f"episode {ep.spec.episode_id} failed {ep.attempt} times; last: {error}") from error
+            fresh.append(self._start(ep.spec, ep.attempt + 1))
+            self.stats.episode_reruns += 1
+        alive[w] = self.pool.recover(w, self.config.recover_timeout_s)
+        if alive[w]:
+            pending[w] = fresh + pending[w]
+            return
+        moved, pending[w] = fresh + pending[w], []
+        targets = [v for v in range(len(alive)) if alive[v]]
+        if not targets:
+            raise RuntimeError("every rollout worker is dead") from error
+        for i, ep in enumerate(moved):
+            pending[targets[i % len(targets)]].append(ep)
