@@ -9,7 +9,7 @@ import sys
 
 from marathon import __version__
 
-COMMANDS: tuple[str, ...] = ("env", "bench")
+COMMANDS: tuple[str, ...] = ("env", "bench", "train", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,557 @@
+"""The training driver behind ``marathon train CONFIG``.
+
+``prepare`` validates everything up front (config, env id and kwargs, reward file, model source) and raises
+``ConfigError`` with one message before any work. ``Trainer.run`` then:
+
+1. starts Ray (a local cluster, or the one ``ray job submit`` / ``RAY_ADDRESS`` points at), the learner actor
+   (DeepSpeed) and the rollout worker actors (vLLM), per stage;
+2. SFT warm start on oracle demos (first stage only, ``sft.steps`` > 0), with held-out evaluations before and
+   after;
+3. per RL step: rollout (``prompts_per_step`` tasks x ``group_size`` episodes; per-request sampling seeds
+   derived from (run seed, step, episode)) -> rewards (reward config) -> group advantages -> learner update ->
+   weight sync to the rollout workers;
+4. at each stage end: held-out evaluation and the stage's gate; the next stage starts from the exported policy
+   with its own RoPE base / context length / parallel settings.
+
+Checkpoints (``<output_dir>/checkpoint``) hold the learner (weights, optimizer, RNG), the driver state (phase,
+step, data position, policy version, RNG, metrics so far) and the policy as an HF checkpoint; a run started
+again with the same output dir resumes from it and continues the same trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from configs.schema import ConfigError, ModelSection, RunConfig, Stage, load_config, resolve_config_path
+
+# Environment the learner actor needs (the rollout workers configure vLLM themselves).
+PASS_ENV = ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
+SFT_SEED_START = 900_000_000  # SFT demo seeds: the top of the training range (RL draws from the bottom)
+
+
+@dataclass
+class Plan:
+    """A validated run: everything ``Trainer`` needs, checked before any work."""
+
+    cfg: RunConfig
+    config_path: Path
+    reward: Any  # rewards.RewardConfig
+    stages: list[Stage]
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+def _reward_path(cfg: RunConfig, config_path: Path) -> Path:
+    p = Path(cfg.rewards)
+    if p.is_absolute():
+        return p
+    import rewards
+
+    for base in (config_path.parent, Path.cwd(), Path(rewards.__file__).resolve().parent.parent):
+        if (base / p).is_file():
+            return base / p
+    return p
+
+
+def _check_env(env_id: str, kwargs: dict[str, Any], where: str) -> None:
+    import envs
+
+    try:
+        env = envs.make(env_id, **kwargs)
+    except envs.UnknownEnvError as e:
+        raise ConfigError(f"{where}: env.id: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: env.kwargs {kwargs}: {e}") from None
+    try:
+        env.reset(seed=0)
+    finally:
+        env.close()
+
+
+def _check_model(m: ModelSection, where: str) -> None:
+    if m.source == "path":
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"{where}: model.path: {m.path} is not an HF checkpoint directory (no config.json)")
+    elif m.source == "marathon":
+        from model import PRESETS
+
+        if m.preset not in PRESETS:
+            raise ConfigError(f"{where}: model.preset: unknown preset {m.preset!r}; known: {sorted(PRESETS)}")
+    elif m.overrides:
+        raise ConfigError(f"{where}: model.overrides apply to source 'marathon' only (source is {m.source!r})")
+
+
+def prepare(config_path: str | Path, overrides: dict[str, Any] | None = None) -> Plan:
+    """Load and validate a run; every problem is one ``ConfigError``."""
+    path = resolve_config_path(config_path)
+    cfg = load_config(path, overrides)
+    from rewards import RewardConfigError, load_reward_config
+
+    try:
+        reward = load_reward_config(_reward_path(cfg, path))
+    except RewardConfigError as e:
+        raise ConfigError(f"{path}: rewards: {e}") from None
+    stages = cfg.resolved_stages()
+    for stage in stages:
+        _check_env(cfg.env.id, stage.env_kwargs, f"{path} (stage {stage.name})" if cfg.stages else str(path))
+    _check_model(cfg.model, str(path))
+    return Plan(cfg, path, reward, stages)
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+def init_model(m: ModelSection, path: Path) -> Path:
+    """The run's initial HF checkpoint (tokenizer files next to it)."""
+    if m.source == "path":
+        return Path(m.path)
+    if m.source == "tiny-qwen3":
+        from marathon.tiny import write_tiny_qwen3
+
+        return write_tiny_qwen3(path, seed=m.init_seed, vocab_size=m.vocab_size)
+    from model import MarathonConfig, MarathonForCausalLM
+    from model.tokenizer import save_tokenizer
+
+    tok = save_tokenizer(path, m.vocab_size)
+    config = MarathonConfig.from_preset(
+        m.preset, vocab_size=m.vocab_size, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **m.overrides
+    )
+    torch.manual_seed(m.init_seed)
+    MarathonForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def rope_overrides(model_dir: Path, stage: Stage) -> dict[str, Any]:
+    """Config changes a stage makes: RoPE base (both config styles) and a long enough position limit."""
+    from transformers import AutoConfig
+
+    import model  # noqa: F401  (registers the marathon config)
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    out: dict[str, Any] = {}
+    if stage.rope_theta is not None:
+        rope = getattr(cfg, "rope_parameters", None)
+        if isinstance(rope, dict):
+            out["rope_parameters"] = {**rope, "rope_theta": stage.rope_theta}
+        else:
+            out["rope_theta"] = stage.rope_theta
+    if getattr(cfg, "max_position_embeddings", stage.max_episode_tokens) < stage.max_episode_tokens:
+        out["max_position_embeddings"] = stage.max_episode_tokens
+    return out
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (run seed, step, episode): reproducible, well mixed."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
+
+
+def start_ray() -> None:
+    """Connect to the cluster ``RAY_ADDRESS`` names (set by ``ray job submit``), else start a local one.
+    Actor logs reach the driver only with ``MARATHON_RAY_LOGS=1``."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=os.environ.get("MARATHON_RAY_LOGS", "0") == "1")
+
+
+# -- state ----------------------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    step: int = 0  # rows logged: SFT steps then RL steps, over all stages
+    sft_step: int = 0
+    stage_index: int = 0
+    stage_step: int = 0
+    data_pos: int = 0  # tasks consumed by RL so far
+    version: int = 0  # policy version served by the rollout workers
+    stage_model: str = ""  # HF checkpoint the current stage's actors start from
+    learner_ckpt: bool = False  # the checkpoint holds a learner state for this stage
+    evals: dict[str, dict] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    finished: bool = False
+
+
+class GateFailed(RuntimeError):
+    pass
+
+
+# -- evaluation -----------------------------------------------------------------------------------------------
+def evaluate(pool: Any, codec: Any, env_id: str, env_kwargs: dict, seeds: list[int], max_new_tokens: int,
+             max_context: int, temperature: float, sampling_seed: int = 0) -> dict[str, Any]:
+    """Success rate on ``seeds`` (held-out ones for evaluation) with the policy the pool serves."""
+    from rollout.runner import EpisodeRunner, EpisodeSpec, RolloutConfig
+
+    runner = EpisodeRunner(pool, codec, RolloutConfig(max_new_tokens=max_new_tokens, max_context=max_context,
+                                                      temperature=temperature))
+    specs = [
+        EpisodeSpec(f"eval-{s}", env_id, s, env_kwargs, None if temperature == 0 else derive_seed(sampling_seed, s))
+        for s in seeds
+    ]
+    trajs = runner.run(specs)
+    wins = [t.success for t in trajs]
+    return {"success": sum(wins) / len(wins), "episodes": len(wins), "seeds": [seeds[0], seeds[-1]],
+            "mean_tokens": float(np.mean([len(t.token_ids) for t in trajs]))}
+
+
+# -- the trainer ----------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, plan: Plan, resume: bool = True, progress: bool = True, log=print) -> None:
+        self.plan, self.cfg = plan, plan.cfg
+        self.resume, self.progress, self.log = resume, progress, log
+        self.out = plan.out
+        self.ckpt = self.out / "checkpoint"
+        self.learner = None
+        self.pool = None
+        self.metrics = None
+        self.bar = None
+
+    # -- set-up -----------------------------------------------------------------------------------------------
+    def _load_state(self) -> RunState:
+        saved = self.ckpt / "driver.pt"
+        if not (self.resume and saved.is_file()):
+            if self.out.exists() and any(self.out.iterdir()) and not self.resume:
+                shutil.rmtree(self.out)
+            return RunState()
+        blob = torch.load(saved, weights_only=False)
+        ours = self.cfg.model_dump(exclude={"steps"})
+        theirs = RunConfig.model_validate(blob["config"]).model_dump(exclude={"steps"})
+        if ours != theirs:
+            raise ConfigError(f"{self.out} holds a run with a different config; use another output_dir, or "
+                              "--fresh to start over")
+        random.setstate(blob["rng"]["python"])
+        np.random.set_state(blob["rng"]["numpy"])
+        torch.set_rng_state(blob["rng"]["torch"])
+        return RunState(**blob["state"])
+
+    def _start_actors(self, stage: Stage, model_dir: str) -> None:
+        import ray
+        from transformers import AutoTokenizer
+
+        from learner.engine import Learner
+        from rollout.chat import ChatCodec
+        from rollout.runner import WorkerPool
+        from rollout.worker import WorkerConfig, spawn_worker
+
+        cfg = self.cfg
+        env_vars = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+        self.learner = ray.remote(Learner).options(
+            num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus, runtime_env={"env_vars": env_vars}
+        ).remote(model_dir, cfg.learner, cfg.seed, stage.zero_stage, stage.gradient_checkpointing,
+                 stage.micro_batch_tokens)
+        wcfg = WorkerConfig(
+            model=model_dir, dtype="bfloat16" if cfg.learner.dtype == "bfloat16" else "float32",
+            max_model_len=stage.max_episode_tokens, seed=cfg.seed, kv_cache_gib=cfg.rollout.kv_cache_gib,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            tensor_parallel_size=stage.rollout_tensor_parallel_size,
+            enable_prefix_caching=cfg.rollout.prefix_caching,
+        )
+        workers = [
+            spawn_worker(wcfg, num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker)
+            for _ in range(stage.num_rollout_workers)
+        ]
+        ray.get([w.ready.remote() for w in workers] + [self.learner.router_stats.remote()])
+        self.pool = WorkerPool(workers)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.codec = ChatCodec(self.tokenizer)
+
+    def _stop_actors(self) -> None:
+        import ray
+
+        for actor in ([self.learner] if self.learner else []) + (self.pool.workers if self.pool else []):
+            ray.kill(actor)
+        self.learner = self.pool = None
+
+    def _sync(self, state: RunState) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        self.pool.update_weights(ray.get(self.learner.get_weights.remote()), state.version)
+        return time.perf_counter() - t0
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def _save(self, state: RunState, with_learner: bool = True) -> None:
+        import ray
+
+        tmp = self.out / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state.learner_ckpt = with_learner
+        if with_learner:
+            ray.get(self.learner.save_checkpoint.remote(str(tmp / "learner"), {"step": state.step}))
+            self._export(tmp / "policy")
+        state.rows = list(self.metrics.rows)
+        blob = {
+            "config": self.cfg.model_dump(mode="json"),
+            "state": asdict(state),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+        torch.save(blob, tmp / "driver.pt")
+        old = self.out / "checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if self.ckpt.exists():
+            self.ckpt.rename(old)
+        tmp.rename(self.ckpt)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _export(self, path: Path, overrides: dict[str, Any] | None = None) -> Path:
+        import ray
+
+        ray.get(self.learner.export_hf.remote(str(path), overrides))
+        self.tokenizer.save_pretrained(str(path))
+        return path
+
+    # -- phases -------------------------------------------------------------------------------------------------
+    def _eval(self, state: RunState, name: str, stage: Stage) -> dict[str, Any]:
+        from envs import heldout_seeds
+
+        e = self.cfg.eval
+        t0 = time.perf_counter()
+        res = evaluate(self.pool, self.codec, self.cfg.env.id, stage.env_kwargs, heldout_seeds(e.num_seeds),
+                       stage.max_new_tokens_per_turn, stage.max_episode_tokens, e.temperature, self.cfg.seed)
+        res["step"], res["seconds"] = state.step, round(time.perf_counter() - t0, 2)
+        state.evals[name] = res
+        self._write("evals.json", state.evals)
+        self._say(f"[eval {name}] step {state.step}: held-out success {res['success']:.3f} "
+                  f"({res['episodes']} seeds {res['seeds'][0]}..{res['seeds'][1]}, {res['seconds']}s)")
+        return res
+
+    def _sft(self, state: RunState, stage: Stage) -> None:
+        import ray
+
+        from envs import train_seeds
+        from learner.packing import Sample
+        from marathon.demos import build_demos
+
+        s = self.cfg.sft
+        demos = build_demos(self.cfg.env.id, stage.env_kwargs, train_seeds(s.num_demos, SFT_SEED_START),
+                            self.codec, stage.max_episode_tokens)
+        order = np.random.default_rng(derive_seed(self.cfg.seed, 1)).permutation(len(demos) * (
+            1 + s.steps * s.batch_size // len(demos)))  % len(demos)
+        while state.sft_step < s.steps:
+            t0 = time.perf_counter()
+            idx = order[state.sft_step * s.batch_size : (state.sft_step + 1) * s.batch_size].tolist()
+            batch = demos.select(idx)
+            samples = [Sample(r["token_ids"], r["loss_mask"], [0.0] * len(r["token_ids"])) for r in batch]
+            stats = ray.get(self.learner.train_sft.remote(samples, s.lr))
+            state.sft_step += 1
+            self._row(state, {"phase": "sft", "stage": stage.name, "loss": stats["loss"],
+                              "grad_norm": stats["grad_norm"], "tokens": stats["tokens"],
+                              "time/update": time.perf_counter() - t0})
+        state.version += 1
+        self._sync(state)
+
+    def _rl_step(self, state: RunState, stage: Stage) -> None:
+        import ray
+
+        from envs import train_seeds
+        from learner.losses import group_advantages
+        from learner.packing import Sample
+        from rollout.runner import EpisodeRunner, EpisodeSpec, RolloutConfig
+
+        cfg, P, G = self.cfg, stage.prompts_per_step, stage.group_size
+        t0 = time.perf_counter()
+        seeds = train_seeds(P, start=cfg.seed * 10_000_000 + state.data_pos)
+        specs = [
+            EpisodeSpec(f"s{state.step}-t{j}-g{g}", cfg.env.id, seed, stage.env_kwargs,
+                        derive_seed(cfg.seed, state.step, j * G + g))
+            for j, seed in enumerate(seeds) for g in range(G)
+        ]
+        runner = EpisodeRunner(self.pool, self.codec, RolloutConfig(
+            max_new_tokens=stage.max_new_tokens_per_turn, max_context=stage.max_episode_tokens,
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p))
+        trajs = runner.run(specs)
+        t1 = time.perf_counter()
+        rewards = []
+        for t in trajs:
+            # an episode cut off by its context never got a final env step: it did not succeed
+            info = {**t.info["env"], "success": bool(t.info["env"].get("success", False))}
+            t.reward, t.reward_terms = self.plan.reward.score(info, t.num_model_tokens, t.num_turns)
+            rewards.append(t.reward)
+        adv = group_advantages(torch.tensor(rewards), G, cfg.learner.loss.advantage, cfg.learner.loss.grpo_scale_std)
+        # Groups whose episodes all scored the same carry no signal (advantage 0): left out of the update.
+        samples = [Sample(t.token_ids, t.loss_mask, t.logprobs, float(a), t.routed_experts)
+                   for t, a in zip(trajs, adv.tolist()) if a != 0.0]
+        stats: dict[str, float] = {}
+        t2 = t3 = time.perf_counter()
+        if samples:
+            stats = ray.get(self.learner.train_rl.remote(samples, cfg.learner.optimizer.lr))
+            t2 = time.perf_counter()
+            state.version += 1
+            self._sync(state)
+            t3 = time.perf_counter()
+        state.data_pos += P
+        state.stage_step += 1
+        row = {
+            "phase": "rl", "stage": stage.name,
+            "reward_mean": float(np.mean(rewards)), "success_rate": float(np.mean([t.success for t in trajs])),
+            "episode_tokens": float(np.mean([len(t.token_ids) for t in trajs])),
+            "model_tokens": float(np.mean([t.num_model_tokens for t in trajs])),
+            "turns": float(np.mean([t.num_turns for t in trajs])),
+            "truncated": float(np.mean([t.truncated for t in trajs])),
+            "trained_episodes": len(samples), "version": state.version,
+            **{k: v for k, v in stats.items()},
+            **{f"reward/{k}": float(np.mean([t.reward_terms[k] for t in trajs])) for k in trajs[0].reward_terms},
+            "time/rollout": t1 - t0, "time/update": t2 - t1, "time/sync": t3 - t2,
+            "gen_tokens_per_s": sum(t.num_model_tokens for t in trajs) / max(t1 - t0, 1e-9),
+        }
+        row.update(ray.get(self.learner.router_stats.remote()))
+        self._row(state, row)
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+    def _row(self, state: RunState, row: dict[str, Any]) -> None:
+        row = {"step": state.step, **row}
+        state.step += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            shown = {k: f"{row[k]:.3g}" for k in ("reward_mean", "success_rate", "loss") if k in row}
+            self.bar.set_postfix(phase=row["phase"], **shown)
+        self.metrics.log(row)
+
+    def _say(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            self.log(msg)
+
+    def _write(self, name: str, data: Any) -> None:
+        (self.out / name).write_text(json.dumps(data, indent=2, default=str))
+
+    # -- the run ------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        from marathon.metrics import MetricsLog
+
+        cfg, stages = self.cfg, self.plan.stages
+        state = self._load_state()
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(self.plan.config_path.read_text())
+        self.metrics = MetricsLog(self.out, state.rows)
+        if state.finished:
+            self._say(f"{self.out}: run already finished (step {state.step}); nothing to do")
+            return self._summary(state)
+        resumed = bool(state.stage_model)
+        if not resumed:
+            state.stage_model = str(init_model(cfg.model, self.out / "model_init"))
+        total = cfg.sft.steps + sum(s.steps for s in stages)
+        self.bar = tqdm(total=total, initial=state.step, desc="marathon", unit="step", dynamic_ncols=True,
+                        disable=not self.progress)
+        if resumed:
+            self._say(f"resuming {self.out} at step {state.step} (stage {stages[state.stage_index].name}, "
+                      f"stage step {state.stage_step}, policy version {state.version})")
+        t_start = time.perf_counter()
+        start_ray()
+        try:
+            while state.stage_index < len(stages):
+                self._run_stage(state, stages[state.stage_index], first=state.stage_index == 0)
+            state.finished = True
+            final = self._export(self.out / "final")
+            self._save(state, with_learner=False)
+        finally:
+            self.bar.close()
+            self.metrics.plot()
+            self.metrics.close()
+            if self.learner is not None:
+                self._stop_actors()
+        summary = self._summary(state)
+        summary.update(final_model=str(final), wall_s=round(time.perf_counter() - t_start, 1))
+        self._write("summary.json", summary)
+        return summary
+
+    def _run_stage(self, state: RunState, stage: Stage, first: bool) -> None:
+        import ray
+
+        cfg = self.cfg
+        self._start_actors(stage, state.stage_model)
+        if state.learner_ckpt:  # resuming inside this stage
+            ray.get(self.learner.load_checkpoint.remote(str(self.ckpt / "learner")))
+            self._sync(state)
+        if first and state.sft_step < cfg.sft.steps:
+            if "init" not in state.evals:
+                self._eval(state, "init", stage)
+            self._sft(state, stage)
+            self.metrics.add_to_last({"eval/success": self._eval(state, "sft", stage)["success"]})
+            self._save(state)
+        ray.get(self.learner.snapshot_reference.remote())
+        while state.stage_step < stage.steps:
+            self._rl_step(state, stage)
+            every = cfg.eval.every
+            if every and state.stage_step % every == 0 and state.stage_step < stage.steps:
+                res = self._eval(state, f"{stage.name}@{state.stage_step}", stage)
+                self.metrics.add_to_last({"eval/success": res["success"]})
+            if state.stage_step % cfg.checkpoint_every == 0 and state.stage_step < stage.steps:
+                self._save(state)
+        res = self._eval(state, stage.name, stage)
+        if self.metrics.rows:
+            self.metrics.add_to_last({"eval/success": res["success"]})
+        if stage.gate is not None:
+            self._check_gate(state, stage, res)
+        state.stage_index += 1
+        if state.stage_index < len(self.plan.stages):
+            nxt = self.plan.stages[state.stage_index]
+            model_dir = self.out / "stages" / nxt.name / "model"
+            self._export(model_dir, rope_overrides(Path(state.stage_model), nxt))
+            state.stage_model, state.stage_step = str(model_dir), 0
+            self._save(state, with_learner=False)
+            self._stop_actors()
+
+    def _check_gate(self, state: RunState, stage: Stage, eval_result: dict) -> None:
+        gate = stage.gate
+        if gate.metric == "heldout_success":
+            value = eval_result["success"]
+        else:
+            key = "reward_mean" if gate.metric == "reward_mean" else "loss"
+            vals = [r[key] for r in self.metrics.rows if r.get("stage") == stage.name and r.get("phase") == "rl"
+                    and key in r][-10:]
+            value = float(np.mean(vals)) if vals else float("nan")
+        ok = not np.isnan(value) and (gate.min is None or value >= gate.min) and (gate.max is None or value <= gate.max)
+        state.evals[f"gate:{stage.name}"] = {"metric": gate.metric, "value": value, "min": gate.min, "max": gate.max,
+                                             "passed": bool(ok)}
+        self._write("evals.json", state.evals)
+        if not ok:
+            self._save(state)
+            raise GateFailed(f"stage {stage.name!r} gate failed: {gate.metric} = {value:.4g}, required "
+                             f"[{gate.min}, {gate.max}]; the next stage does not start (checkpoint: {self.ckpt})")
+        self._say(f"[gate {stage.name}] {gate.metric} = {value:.4g} passed")
+
+    def _summary(self, state: RunState) -> dict[str, Any]:
+        return {"output_dir": str(self.out), "step": state.step, "evals": state.evals,
+                "metrics_csv": str(self.out / "metrics.csv"), "plot": str(self.out / "plot.png")}
+
+
+def evaluate_checkpoint(plan: Plan, model_dir: str | Path, stage: Stage, num_seeds: int | None = None) -> dict:
+    """Held-out success of an HF checkpoint: one rollout worker, the config's evaluation settings."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from envs import heldout_seeds
+    from rollout.chat import ChatCodec
+    from rollout.runner import WorkerPool
+    from rollout.worker import WorkerConfig, spawn_worker
+
+    cfg = plan.cfg
+    t0 = time.perf_counter()
+    start_ray()
+    worker = spawn_worker(WorkerConfig(model=str(model_dir), dtype="float32", max_model_len=stage.max_episode_tokens,
+                                       seed=cfg.seed, kv_cache_gib=cfg.rollout.kv_cache_gib),
+                          num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker)
+    try:
+        ray.get(worker.ready.remote())
+        codec = ChatCodec(AutoTokenizer.from_pretrained(str(model_dir)))
+        res = evaluate(WorkerPool([worker]), codec, cfg.env.id, stage.env_kwargs,
+                       heldout_seeds(num_seeds or cfg.eval.num_seeds), stage.max_new_tokens_per_turn,
+                       stage.max_episode_tokens, cfg.eval.temperature, cfg.seed)
+    finally:
+        ray.kill(worker)
+    return {"checkpoint": str(model_dir), "env": cfg.env.id, "stage": stage.name, **res,
+            "temperature": cfg.eval.temperature, "wall_s": round(time.perf_counter() - t0, 1)}
