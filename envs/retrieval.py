@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from envs.base import ToolEnv, resolve_config
-from envs.haystack import FILLER, STOP, Haystack
+from envs.haystack import FILLER, SENTENCE, STOP, Haystack
 from envs.parsing import first_number, format_call
 from envs.tools import Tool, ToolError, object_schema
 
@@ -73,6 +73,11 @@ class RetrievalEnv(ToolEnv):
         cfg = resolve_config(PRESETS, difficulty, overrides)
         if not 1 <= cfg.hops <= 3 or cfg.distractors < 0 or cfg.page_words < 20 or cfg.top_k < 1:
             raise ValueError(f"invalid retrieval config {cfg}")
+        if cfg.words_per_doc < SENTENCE or cfg.n_tokens < cfg.words_per_doc:
+            raise ValueError(f"need words_per_doc >= {SENTENCE} and n_tokens >= words_per_doc, got {cfg}")
+        room = -(-cfg.n_tokens // cfg.words_per_doc) * (cfg.words_per_doc // SENTENCE + 1)
+        if cfg.hops + 3 * cfg.distractors > room:
+            raise ValueError(f"{cfg.distractors} distractor chains do not fit in {cfg.n_tokens} words")
         self.config = cfg
         search = Tool(
             name="search",

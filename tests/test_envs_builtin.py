@@ -73,6 +73,10 @@ def test_bad_options_are_rejected():
         envs.make("marathon/Arithmetic-v0", dificulty="hard")
     with pytest.raises(ValueError, match="difficulty must be one of"):
         envs.make("marathon/Retrieval-v0", difficulty="extreme")
+    with pytest.raises(ValueError, match="do not fit"):
+        envs.make("marathon/Retrieval-v0", n_tokens=500, distractors=100)
+    with pytest.raises(ValueError, match="n_tokens >= words_per_doc"):
+        envs.make("marathon/Retrieval-v0", n_tokens=100)
     with pytest.raises(ValueError, match="kinds among"):
         envs.make("marathon/CodeSandbox-v0", kinds=["rm -rf"])
 
