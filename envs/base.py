@@ -143,5 +143,7 @@ class ToolEnv(gym.Env[dict, str]):
         return {"messages": messages}, 0.0, False, truncated, info
 
     def _clip(self, text: str) -> str:
+        """Cut to ``max_observation_chars`` and make it valid UTF-8 (lone surrogates become '?')."""
         n = self.max_observation_chars
-        return text if len(text) <= n else f"{text[:n]}\n... [truncated {len(text) - n} characters]"
+        text = text if len(text) <= n else f"{text[:n]}\n... [truncated {len(text) - n} characters]"
+        return text.encode("utf-8", errors="replace").decode("utf-8")

@@ -50,6 +50,12 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x)
 
 
+def _round(x: float, ndigits: int | None = None) -> float:
+    if ndigits is not None and (not isinstance(ndigits, int) or abs(ndigits) > 100):
+        raise CalcError("round() digits must be an integer in -100..100")
+    return round(x, ndigits)
+
+
 _BINOPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -60,7 +66,7 @@ _BINOPS = {
     ast.Pow: _pow,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCS = {"abs": abs, "min": min, "max": max, "round": round, "sqrt": _sqrt}
+_FUNCS = {"abs": abs, "min": min, "max": max, "round": _round, "sqrt": _sqrt}
 
 
 def _eval(node: ast.AST) -> float:

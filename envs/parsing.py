@@ -20,7 +20,6 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ANSWER = re.compile(r"final\s*answer\s*[:=]?[ \t]*([^\n]*)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_FENCE = re.compile(r"^```[a-zA-Z]*\s*(.*?)\s*```$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -44,29 +43,39 @@ class ParsedTurn:
 
 
 def _blocks(text: str) -> list[str]:
-    """Contents of each ``<tool_call>`` block: up to its ``</tool_call>``, the next ``<tool_call>`` or the end."""
-    out, pos = [], text.find(OPEN)
+    """Contents of each ``<tool_call>`` block: up to its ``</tool_call>``, the next ``<tool_call>`` or the end.
+    Linear time: the next closing tag is searched again only once the scan has passed it."""
+    out, pos, close = [], text.find(OPEN), -2
     while pos != -1:
         start = pos + len(OPEN)
-        nxt_open, nxt_close = text.find(OPEN, start), text.find(CLOSE, start)
-        ends = [e for e in (nxt_open, nxt_close) if e != -1]
-        end = min(ends) if ends else len(text)
-        out.append(text[start:end])
-        pos = nxt_open
+        if close != -1 and close < start:
+            close = text.find(CLOSE, start)
+        nxt = text.find(OPEN, start)
+        ends = [e for e in (nxt, close) if e != -1]
+        out.append(text[start:min(ends) if ends else len(text)])
+        pos = nxt
     return out
 
 
+def _unfence(body: str) -> str:
+    """Strip a Markdown code fence (with an optional language tag) around a call."""
+    if len(body) >= 6 and body.startswith("```") and body.endswith("```"):
+        inner = body[3:-3]
+        first, newline, rest = inner.partition("\n")
+        return (rest if newline and first.strip().isalnum() else inner).strip()
+    return body
+
+
 def parse_call(body: str) -> ToolCall | CallError:
-    body = body.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
-        body = fenced.group(1)
+    body = _unfence(body.strip())
     if not body:
         return CallError('empty <tool_call> block; expected {"name": ..., "arguments": {...}}')
     try:
         obj, end = json.JSONDecoder().raw_decode(body)
     except json.JSONDecodeError as e:
         return CallError(f"malformed JSON in tool call: {e.msg} at character {e.pos}")
+    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting too deep
+        return CallError(f"malformed JSON in tool call: {type(e).__name__}: {str(e)[:200]}")
     if body[end:].strip():
         return CallError(f"unexpected text after the JSON object in tool call: {body[end:end + 40].strip()!r}")
     if not isinstance(obj, dict):
@@ -80,8 +89,8 @@ def parse_call(body: str) -> ToolCall | CallError:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return CallError(f'tool call "arguments" string is not valid JSON: {e.msg}')
+        except (ValueError, RecursionError) as e:
+            return CallError(f'tool call "arguments" string is not valid JSON: {str(e)[:200]}')
     if not isinstance(args, dict):
         return CallError(f'tool call "arguments" must be a JSON object, got {type(args).__name__}')
     extra = sorted(set(obj) - {"name", "arguments"})

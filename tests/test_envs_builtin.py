@@ -105,7 +105,7 @@ def test_retrieval_hard_episode_uses_a_million_words():
 
 @pytest.mark.parametrize(
     "expr, value",
-    [("12 * (3 + 4)", 84), ("7 // 2 + 7 % 2", 4), ("2 ** 10", 1024), ("-3 - -4", 1), ("sqrt(16) + max(1, 5)", 9.0), ("1 / 4", 0.25)],
+    [("12 * (3 + 4)", 84), ("round(2.567, 2)", 2.57), ("7 // 2 + 7 % 2", 4), ("2 ** 10", 1024), ("-3 - -4", 1), ("sqrt(16) + max(1, 5)", 9.0), ("1 / 4", 0.25)],
 )
 def test_calculator_values(expr, value):
     assert evaluate(expr) == value
@@ -124,6 +124,7 @@ def test_calculator_values(expr, value):
         ("1 +", "invalid expression"),
         ("1" * 600, "longer than"),
         ("(-8) ** 0.5", "complex"),
+        ("round(5, -10 ** 9)", "digits must be"),
         ("1e308 * 10", "too large"),
         ("1e200 ** 2", "too large"),
     ],

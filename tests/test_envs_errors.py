@@ -105,9 +105,11 @@ def test_several_calls_per_turn_and_limit():
     assert info["tool_calls"] == 5 and info["format_errors"] == 3
 
 
-def test_long_tool_output_is_clipped():
+def test_tool_output_is_clipped_and_valid_utf8():
     messages, _ = one_step(ProbeEnv(), format_call("echo", {"text": "y" * 500}))
     assert messages[0]["content"].endswith("[truncated 400 characters]")
+    messages, _ = one_step(ProbeEnv(), format_call("echo", {"text": "a\ud800b"}))
+    assert messages[0]["content"] == "a?b"
 
 
 def test_final_answer_and_truncation():
@@ -160,3 +162,23 @@ def test_sandbox_timeout_and_crash_become_observations():
     content = obs["messages"][0]["content"]
     assert content.startswith("exit code: 1") and "ValueError: bad input" in content and info["call_kinds"] == ["ok"]
     env.close()
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        "<tool_call>" * 50_000,  # many unclosed blocks: linear-time scan
+        "<tool_call>```" + " " * 200_000 + "x",  # a fence that never closes
+        "<tool_call>" + "[" * 100_000,  # JSON nested too deep
+        '<tool_call>{"name": "echo", "arguments": {"text": ' + "1" * 5000 + "}}",  # integer too long for Python
+        '<tool_call>{"name": "echo", "arguments": "' + "[" * 100_000 + '"}',
+        "final " * 100_000,
+    ],
+)
+def test_adversarial_turns_are_fast_and_harmless(action):
+    env = ProbeEnv()
+    env.reset(seed=0)
+    start = time.perf_counter()
+    obs, _, terminated, truncated, info = env.step(action)
+    assert time.perf_counter() - start < 2.0
+    assert terminated or all(m["content"].startswith("error:") for m in obs["messages"])
