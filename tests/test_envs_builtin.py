@@ -49,9 +49,10 @@ def test_hard_arithmetic_needs_several_calls_and_easy_is_short():
 
     tok = train_tokenizer(512)
     assert tok.chat_template == CHAT_TEMPLATE
-    lengths = [len(tok.apply_chat_template(run_episode(envs.make("marathon/Arithmetic-v0"), oracle_policy, s).messages))
-               for s in range(10)]
-    assert max(lengths) < 150, lengths
+    env = envs.make("marathon/Arithmetic-v0")
+    texts = [tok.apply_chat_template(run_episode(env, oracle_policy, s).messages, tokenize=False) for s in range(10)]
+    lengths = [len(tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    assert "Final answer:" in texts[0] and 60 < min(lengths) and max(lengths) < 150, lengths
 
 
 def test_seed_splits_are_disjoint():
