@@ -8,7 +8,12 @@ import torch.nn.functional as F
 
 
 def attention_mask(
-    q_len: int, kv_len: int, past: int, window: int | None = None, key_mask: torch.Tensor | None = None
+    q_len: int,
+    kv_len: int,
+    past: int,
+    window: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor | None:
     """Query i sits at stream index past+i; the kv_len keys are the stream's last tokens up to past+q_len-1.
 
@@ -20,7 +25,6 @@ def attention_mask(
         window_ok = window is None or window >= (kv_len if q_len == 1 else q_len)
         if window_ok and (q_len == 1 or (past == 0 and kv_len == q_len)):
             return None
-    device = None if key_mask is None else key_mask.device
     qi = torch.arange(past, past + q_len, device=device)[:, None]  # [q, 1]
     ki = torch.arange(past + q_len - kv_len, past + q_len, device=device)[None, :]  # [1, kv]
     allowed = ki <= qi
@@ -52,5 +56,5 @@ def attend(
             dim=2,
         )
     T = q.shape[2]
-    mask = attention_mask(T, k.shape[2], past, window, key_mask)
+    mask = attention_mask(T, k.shape[2], past, window, key_mask, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
