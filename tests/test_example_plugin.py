@@ -77,3 +77,20 @@ def test_check_catches_a_contract_breaking_env(monkeypatch):
     assert "not deterministic" in text
     assert "raised ValueError: cannot parse (model mistakes must become observations)" in text
     assert "random episode: step 3 (seed=0, action=" in text and "must hold 'success' as a bool" in text
+
+
+def test_pip_installed_plugin_is_discovered(tmp_path):
+    """A real install (pip, into a target dir) is found through importlib.metadata, no monkeypatching."""
+    import shutil
+    import subprocess
+    import sys
+
+    src, site = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(PLUGIN, src)  # build artifacts stay out of the repository
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(src)], check=True, capture_output=True)
+    repo = PLUGIN.parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{repo}"}
+    out = subprocess.run([sys.executable, "-m", "marathon.cli", "env", "check", "marathon-example/Inventory-v0",
+                          "--seeds", "3"], capture_output=True, text=True, cwd=repo, env=env)
+    assert out.returncode == 0 and "oracle success 1.00" in out.stdout, out.stdout + out.stderr
