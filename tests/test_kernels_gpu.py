@@ -1,0 +1,118 @@
+"""Triton kernels (kernels/gated_delta_triton.py, kernels/grouped_gemm_triton.py) against the PyTorch
+references, on the GPU machine. Skipped without CUDA (CI has none): run there with
+``python3 -m pytest -m gpu tests/test_kernels_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)"),
+]
+
+# Norm-relative error bounds: fp32 kernels use exact fp32 dots (error ~1e-6 measured); bf16 operands keep
+# 8 significant bits and the chunked path rounds several times in sequence (see test_kernels_gated_delta.py).
+FP32_TOL = 1e-4
+BF16_TOL = 2**-6
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def make_inputs(B, T, H, K, V, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    raw = 3 * torch.randn(B, T, H, K, device="cuda", generator=gen)  # strong gates: in-tile decays near -80
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen))
+    h0 = torch.randn(B, H, K, V, device="cuda", generator=gen)
+    return q, k, v, raw, beta, h0
+
+
+def run(fn, inputs, dtype, gate):
+    """o, final state and grads of a random projection of both, w.r.t. q, k, v, the gate input, beta, h0.
+    gate: "direct" (inputs[3] is the log-decay g), "fused" (raw logits, the kernel applies -5 sigmoid) or
+    "graph" (raw logits, -5 sigmoid applied by torch before fn)."""
+    q, k, v, gin, beta = [x.to(dtype).requires_grad_() for x in inputs[:5]]
+    h0 = inputs[5].clone().requires_grad_()
+    kw = dict(initial_state=h0, output_final_state=True)
+    if gate == "fused":
+        o, ht = fn(q, k, v, gin, beta, gate_lower_bound=-5.0, **kw)
+    else:
+        o, ht = fn(q, k, v, -5 * torch.sigmoid(gin) if gate == "graph" else gin, beta, **kw)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(o.shape, device="cuda", generator=gen, dtype=torch.float64)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen, dtype=torch.float64)
+    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+    grads = torch.autograd.grad(loss, (q, k, v, gin, beta, h0))
+    return [o.detach(), ht.detach(), *grads]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("B, T, H, K, V, fused", [(2, 200, 3, 64, 64, True), (1, 300, 2, 128, 128, False),
+                                                  (1, 64, 2, 32, 64, True)])
+def test_chunk_triton_matches_recurrent(dtype, tol, B, T, H, K, V, fused):
+    from kernels.gated_delta import recurrent_gated_delta_rule
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    inputs = list(make_inputs(B, T, H, K, V, seed=T + K))
+    if not fused:
+        inputs[3] = -5 * torch.sigmoid(inputs[3])  # the log-decay itself
+    # reference in fp64 on the same rounded inputs (the state stays fp32)
+    rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]
+    ref = run(recurrent_gated_delta_rule, rounded, torch.float64, "graph" if fused else "direct")
+    out = run(chunk_gated_delta_rule_triton, inputs, dtype, "fused" if fused else "direct")
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+def test_chunk_triton_refuses_unbounded_decay():
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    q, k, v, raw, beta, _ = make_inputs(1, 64, 1, 32, 32, seed=0)
+    with pytest.raises(ValueError, match="log-decay below"):
+        chunk_gated_delta_rule_triton(q, k, v, -F.softplus(raw) - 6, beta)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_decode_step_matches_reference(inplace):
+    from kernels.gated_delta import gated_delta_rule_step
+    from kernels.gated_delta_triton import gated_delta_rule_step_triton
+
+    q, k, v, raw, beta, h0 = make_inputs(3, 1, 4, 128, 64, seed=1)
+    g = -5 * torch.sigmoid(raw)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    o_ref, s_ref = gated_delta_rule_step(*args, h0.clone())
+    state = h0.clone()
+    o, s = gated_delta_rule_step_triton(*args, state, inplace=inplace)
+    assert rel(o, o_ref) < FP32_TOL and rel(s, s_ref) < FP32_TOL
+    assert (s.data_ptr() == state.data_ptr()) == inplace
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, BF16_TOL)])
+def test_grouped_mm_matches_loop(dtype, tol):
+    from kernels.grouped_gemm import grouped_mm_reference
+    from kernels.grouped_gemm_triton import grouped_mm_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([0, 300, 5, 128, 0, 1000, 77, 1], device="cuda")  # empty and ragged experts
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    N, E, D, Fd = int(offsets[-1]), counts.numel(), 192, 320
+    x = torch.randn(N, D, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(E, D, Fd, device="cuda", generator=gen) / D**0.5).to(dtype).requires_grad_()
+    dy = torch.randn(N, Fd, device="cuda", generator=gen).to(dtype)
+    y = grouped_mm_triton(x, w, offsets)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = grouped_mm_reference(xr, wr, offsets)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy.double())
+    # fp32 dots run as tf32 on the tensor cores (~3e-4 expected)
+    for name, a, b in (("y", y, yr), ("dx", dx, dxr), ("dw", dw, dwr)):
+        assert rel(a, b) < tol, (name, rel(a, b))
