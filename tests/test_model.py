@@ -156,7 +156,12 @@ def test_gradient_checkpointing_matches_plain_backward():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_rope_theta_override_changes_sliding_layers_only_where_used():
+def test_rope_theta_override_changes_sliding_layers_only_where_used(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny().save_pretrained(tmp_path)  # a context-extension stage reloads with a new base
+    stage = AutoModelForCausalLM.from_pretrained(tmp_path, rope_theta=5e5)
+    assert stage.model.layers[1].self_attn.rotary.theta == 5e5
     ids = torch.randint(0, 512, (1, 12))
     base = tiny(layer_layout="S", sliding_window=8)(ids).logits
     stretched = tiny(layer_layout="S", sliding_window=8, rope_theta=1e6)(ids).logits
