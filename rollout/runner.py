@@ -114,6 +114,7 @@ class _Episode:
     turns: int = 0
     versions: set[int] = field(default_factory=set)
     info: dict[str, Any] = field(default_factory=dict)
+    experts: list | None = None  # routing of the tokens run so far, [n][num_moe_layers][top_k], when returned
     truncated: bool = False
     finish: str = ""
 
@@ -153,6 +154,7 @@ class EpisodeRunner:
             temperature=self.config.temperature,
             top_p=self.config.top_p,
             seed=seed,
+            routed_experts_from=len(ep.experts or ()),
         )
 
     def _advance(self, ep: _Episode, result: GenResult) -> bool:
@@ -160,6 +162,11 @@ class EpisodeRunner:
         if result.request_id != self._request_id(ep):
             raise RuntimeError(f"result {result.request_id} does not belong to turn {self._request_id(ep)}")
         ep.tokens.add_model_turn(result.token_ids, result.logprobs)
+        if result.routed_experts is not None:
+            ep.experts = (ep.experts or []) + result.routed_experts
+            if len(ep.experts) != len(ep.tokens) - 1:  # every id but the newest went through the model
+                raise RuntimeError(f"episode {ep.spec.episode_id}: routing for {len(ep.experts)} tokens, expected "
+                                   f"{len(ep.tokens) - 1}")
         ep.turns += 1
         ep.versions.add(result.policy_version)
         if result.finish_reason == "context":  # cut off by the episode's context: the turn is incomplete
@@ -192,6 +199,8 @@ class EpisodeRunner:
             success=bool(ep.info.get("success", False)),
             truncated=ep.truncated,
             info={"env": ep.info, "attempts": ep.attempt, "finish": ep.finish, "worker": worker},
+            # the last id never ran through the model: its routing row (used by no loss term) repeats the previous
+            routed_experts=None if ep.experts is None else ep.experts + ep.experts[-1:],
             policy_version=min(ep.versions),
         )
 

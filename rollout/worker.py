@@ -36,6 +36,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     # "processed_logprobs": logprobs of the distribution actually sampled from (after temperature / top-p)
     logprobs_mode: str = "processed_logprobs"
+    return_routed_experts: bool = False  # MoE models: record routing for replay in the learner
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # anything else vllm.LLM takes
 
 
@@ -50,6 +51,10 @@ class GenRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    # with WorkerConfig.return_routed_experts: return routing from this prompt position on (the part of the
+    # context no earlier turn of the episode returned)
+    routed_experts_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class GenResult:
     logprobs: list[float]  # logprob of each sampled id
     finish_reason: str  # "stop" (eos or a stop id), "length" (max_new_tokens) or "context" (max_model_len)
     policy_version: int
+    # [n, num_moe_layers, top_k] experts of the tokens the model ran on: prompt_ids[routed_experts_from:] and
+    # all sampled ids but the last (which is not run through the model); None unless requested
+    routed_experts: list | None = None
 
 
 class WeightSyncExtension:
@@ -87,6 +95,8 @@ class RolloutWorker:
     def __init__(self, config: WorkerConfig) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (see module doc)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+        if config.return_routed_experts:  # vLLM records routing only in its V2 model runner
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         from vllm import LLM
 
         self.config = config
@@ -103,6 +113,7 @@ class RolloutWorker:
             max_num_seqs=config.max_num_seqs,
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            enable_return_routed_experts=config.return_routed_experts,
             **config.engine_kwargs,
         )
 
@@ -131,9 +142,11 @@ class RolloutWorker:
                     temperature=r.temperature,
                     top_p=r.top_p,
                     seed=r.seed,
+                    ignore_eos=r.ignore_eos,
                     stop_token_ids=list(r.stop_token_ids),
                     logprobs=0,  # the sampled token's logprob only
                     detokenize=False,
+                    routed_experts_prompt_start=r.routed_experts_from,
                 )
             )
             index.append(i)
@@ -145,7 +158,8 @@ class RolloutWorker:
             reason = c.finish_reason
             if reason == "length" and len(ids) < r.max_new_tokens:
                 reason = "context"  # clipped by max_model_len, not by the per-turn budget
-            results[i] = GenResult(r.request_id, ids, lps, reason, self.version)
+            experts = None if c.routed_experts is None else c.routed_experts.tolist()
+            results[i] = GenResult(r.request_id, ids, lps, reason, self.version, experts)
         return [results[i] for i in range(len(requests))]
 
     def update_weights(self, weights: WeightsArg, version: int) -> float:

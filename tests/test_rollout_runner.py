@@ -152,3 +152,37 @@ def test_worker_dying_mid_batch_is_restarted_and_its_episodes_rerun(ray_local, r
         assert [t.token_ids for t in trajs] == [t.token_ids for t in reference]
     finally:
         ray_local.kill(faulty)
+
+
+def fake_moe_worker_class(stop_id: int) -> type:
+    class FakeMoEWorker:
+        """No engine: emits 3 ids + ``stop_id`` per turn and routes token t to experts (t % 8, (t + 1) % 8) in
+        both layers, returning routing rows the way vLLM does (prompt[from:] + all sampled ids but the last)."""
+
+        def ready(self):
+            return {"pid": os.getpid(), "version": 0}
+
+        def generate(self, requests):
+            from rollout.worker import GenResult
+
+            out = []
+            for r in requests:
+                ids = [100 + (len(r.prompt_ids) + j) % 50 for j in range(3)] + [stop_id]
+                ran = (r.prompt_ids + ids)[r.routed_experts_from : -1]
+                rows = [[[t % 8, (t + 1) % 8]] * 2 for t in ran]
+                out.append(GenResult(r.request_id, ids, [-1.0] * 4, "stop", 0, rows))
+            return out
+
+    return FakeMoEWorker
+
+
+def test_routed_experts_follow_the_episode_ids(ray_local, codec):
+    """Routing rows of every turn are requested from where the previous turn's stopped and line up with the
+    trajectory's ids (vLLM returns routing only from its V2 model runner, which needs Triton: not on CPU)."""
+    worker = ray_local.remote(fake_moe_worker_class(codec.tool_call_end_id)).options(num_cpus=0).remote()
+    runner = EpisodeRunner(WorkerPool([worker]), codec, RolloutConfig(max_new_tokens=8, max_context=1024))
+    (t,) = runner.run(specs(1, turns=3))
+    assert t.num_turns == 3 and len(t.routed_experts) == len(t.token_ids)
+    expected = [[[tok % 8, (tok + 1) % 8]] * 2 for tok in t.token_ids[:-1]]
+    assert t.routed_experts[:-1] == expected and t.routed_experts[-1] == t.routed_experts[-2]
+    ray_local.kill(worker)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES: tuple[str, ...] = ("memory",)
+BENCHES: tuple[str, ...] = ("memory", "rollout")
 
 
 def register(subparsers) -> None:
