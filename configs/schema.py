@@ -95,7 +95,7 @@ class LearnerSection(_Section):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     loss: LossSection = Field(default_factory=LossSection)
     micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed micro-batch
-    packing: bool = True  # pack episodes into one row (cu_seqlens / position_ids) instead of padding
+    packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     num_cpus: float = Field(1.0, ge=0)

@@ -78,6 +78,9 @@ class Learner:
             module.gradient_checkpointing_enable()
         module.config.use_cache = False
         self.forward_kwargs = set(inspect.signature(module.forward).parameters)
+        # Packing needs a varlen forward (cu_seqlens); a plain HF model would attend over the whole packed row
+        # (T^2 work, masked), so it gets padded micro-batches instead.
+        self.packed = cfg.packing and "cu_seqlens" in self.forward_kwargs
         self.pad_id = module.config.pad_token_id or 0
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -93,7 +96,7 @@ class Learner:
         return self.engine.module
 
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        return make_micro_batches(samples, self.micro_batch_tokens, self.cfg.packing, self.pad_id)
+        return make_micro_batches(samples, self.micro_batch_tokens, self.packed, self.pad_id)
 
     @torch.no_grad()
     def sequence_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> list[list[float]]:

@@ -45,10 +45,11 @@ def learner(tiny_qwen3_dir):
 
 def test_packed_and_padded_logprobs_match_unpacked(learner, tiny_qwen3_dir):
     samples = _samples()
+    assert not learner.packed  # Qwen3 has no varlen forward: padded by default; packing still works through
+    padded = learner.sequence_logprobs(samples)  # position_ids (HF detects the segments)
+    learner.packed = True
     packed = learner.sequence_logprobs(samples)
-    learner.cfg = learner.cfg.model_copy(update={"packing": False})
-    padded = learner.sequence_logprobs(samples)
-    learner.cfg = learner.cfg.model_copy(update={"packing": True})
+    learner.packed = False
     model = load_causal_lm(tiny_qwen3_dir).eval()
     for s, a, b in zip(samples, packed, padded):
         with torch.no_grad():
