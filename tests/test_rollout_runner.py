@@ -8,6 +8,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+import torch
 
 import envs
 from model.tokenizer import train_tokenizer
@@ -154,35 +155,75 @@ def test_worker_dying_mid_batch_is_restarted_and_its_episodes_rerun(ray_local, r
         ray_local.kill(faulty)
 
 
-def fake_moe_worker_class(stop_id: int) -> type:
-    class FakeMoEWorker:
-        """No engine: emits 3 ids + ``stop_id`` per turn and routes token t to experts (t % 8, (t + 1) % 8) in
-        both layers, returning routing rows the way vLLM does (prompt[from:] + all sampled ids but the last)."""
+def fake_worker_class(stop_id: int, die_flag: str | None = None) -> type:
+    class FakeWorker:
+        """No engine: each turn emits 3 ids + ``stop_id``, routes token t to experts (t % 8, (t + 1) % 8) in both
+        layers and returns routing rows the way vLLM does (prompt[from:] + all sampled ids but the last).
+        Kills its own process in ``generate`` if ``die_flag`` exists (removing it: once)."""
+
+        def __init__(self):
+            self.version = 0
 
         def ready(self):
-            return {"pid": os.getpid(), "version": 0}
+            return {"pid": os.getpid(), "version": self.version}
+
+        def update_weights(self, weights, version):
+            self.version = version
+            return 0.0
 
         def generate(self, requests):
             from rollout.worker import GenResult
 
+            if die_flag and os.path.exists(die_flag):
+                os.remove(die_flag)
+                os._exit(1)
             out = []
             for r in requests:
                 ids = [100 + (len(r.prompt_ids) + j) % 50 for j in range(3)] + [stop_id]
                 ran = (r.prompt_ids + ids)[r.routed_experts_from : -1]
                 rows = [[[t % 8, (t + 1) % 8]] * 2 for t in ran]
-                out.append(GenResult(r.request_id, ids, [-1.0] * 4, "stop", 0, rows))
+                out.append(GenResult(r.request_id, ids, [-1.0] * 4, "stop", self.version, rows))
             return out
 
-    return FakeMoEWorker
+    return FakeWorker
+
+
+def fake_worker(ray_local, codec, max_restarts=0, die_flag=None):
+    cls = fake_worker_class(codec.tool_call_end_id, die_flag)
+    return ray_local.remote(cls).options(num_cpus=0, max_restarts=max_restarts, max_task_retries=0).remote()
 
 
 def test_routed_experts_follow_the_episode_ids(ray_local, codec):
     """Routing rows of every turn are requested from where the previous turn's stopped and line up with the
     trajectory's ids (vLLM returns routing only from its V2 model runner, which needs Triton: not on CPU)."""
-    worker = ray_local.remote(fake_moe_worker_class(codec.tool_call_end_id)).options(num_cpus=0).remote()
+    worker = fake_worker(ray_local, codec)
     runner = EpisodeRunner(WorkerPool([worker]), codec, RolloutConfig(max_new_tokens=8, max_context=1024))
     (t,) = runner.run(specs(1, turns=3))
     assert t.num_turns == 3 and len(t.routed_experts) == len(t.token_ids)
     expected = [[[tok % 8, (tok + 1) % 8]] * 2 for tok in t.token_ids[:-1]]
     assert t.routed_experts[:-1] == expected and t.routed_experts[-1] == t.routed_experts[-2]
     ray_local.kill(worker)
+
+
+def test_dead_worker_hands_its_episodes_to_the_others(ray_local, codec, tmp_path):
+    """A worker Ray does not restart: its episodes re-run on the live worker; a worker that does restart gets
+    the pool's current weights before it serves again."""
+    flag = tmp_path / "die"
+    flag.touch()
+    live, dead = fake_worker(ray_local, codec), fake_worker(ray_local, codec, die_flag=str(flag))
+    pool = WorkerPool([live, dead])
+    pool.update_weights({"w": torch.zeros(2)}, version=3)
+    runner = EpisodeRunner(pool, codec, RolloutConfig(max_new_tokens=8, max_context=1024))
+    trajs = runner.run(specs(4, turns=2))
+    assert [t.info["worker"] for t in trajs] == [0, 0, 0, 0] and [t.info["attempts"] for t in trajs] == [1, 2, 1, 2]
+    assert all(t.policy_version == 3 and t.num_turns == 2 for t in trajs)
+
+    flag.touch()
+    restarting = fake_worker(ray_local, codec, max_restarts=1, die_flag=str(flag))
+    pool = WorkerPool([restarting])
+    pool.update_weights({"w": torch.zeros(2)}, version=5)
+    runner = EpisodeRunner(pool, codec, RolloutConfig(max_new_tokens=8, max_context=1024))
+    (t,) = runner.run(specs(1, turns=2))  # Ray restarts it at version 0; the pool re-sends version 5
+    assert runner.stats.worker_failures == 1 and t.info["attempts"] == 2 and t.policy_version == 5
+    for w in (live, dead, restarting):
+        ray_local.kill(w)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ def register(subparsers) -> None:
     parser.add_argument("--workers", type=int, default=1, help="Ray rollout workers (prompts split among them)")
     parser.add_argument("--cpus-per-worker", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/rollout")
     parser.set_defaults(func=main)
 
@@ -42,58 +44,68 @@ def chat_prompts(model_dir: str, env_id: str, n: int) -> list[list[int]]:
     return prompts
 
 
-def time_hf(model_dir: str, dtype: str, prompts: list[list[int]], new_tokens: int, batched: bool) -> tuple[float, int]:
-    """Seconds and generated tokens for HF sampling of ``new_tokens`` per prompt (eos ignored)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+class HFPath:
+    """Plain HF ``generate``: sampling ``new_tokens`` per prompt (eos ignored), one prompt at a time or batched."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    pad = model.config.pad_token_id or 0
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=pad)
+    def __init__(self, model_dir: str, dtype: str, new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    def run(batch: list[list[int]]) -> int:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.pad = self.model.config.pad_token_id or 0
+        self.kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=self.pad)
+
+    def generate(self, batch: list[list[int]]) -> int:
+        import torch
+
         width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, **kw)  # [B, width + new_tokens]
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **self.kw)  # [B, width + new_tokens]
         return (out.shape[1] - width) * len(batch)
 
-    run(prompts[:1])  # warm-up
-    t0 = time.perf_counter()
-    tokens = run(prompts) if batched else sum(run([p]) for p in prompts)
-    return time.perf_counter() - t0, tokens
+    def batched(self, prompts: list[list[int]]) -> int:
+        return self.generate(prompts)
+
+    def one_at_a_time(self, prompts: list[list[int]]) -> int:
+        return sum(self.generate([p]) for p in prompts)
 
 
-def time_ray_vllm(model_dir: str, dtype: str, prompts: list[list[int]], new_tokens: int, workers: int, cpus: int) -> tuple[float, int, float]:
-    """Seconds and generated tokens for one batched ``generate`` call per worker; plus the engines' start-up."""
-    import ray
+class RayVLLMPath:
+    """``RolloutWorker`` actors: the prompts split among them, one batched ``generate`` call each."""
 
-    from rollout.worker import GenRequest, WorkerConfig, spawn_worker
+    def __init__(self, model_dir: str, dtype: str, max_len: int, new_tokens: int, workers: int, cpus: int) -> None:
+        import ray
 
-    max_len = max(map(len, prompts)) + new_tokens
-    ray.init(num_cpus=workers * cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
+        from rollout.worker import WorkerConfig, spawn_worker
+
+        ray.init(num_cpus=workers * cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         t0 = time.perf_counter()
         cfg = WorkerConfig(model=model_dir, dtype=dtype, max_model_len=max_len, enable_prefix_caching=False)
-        actors = [spawn_worker(cfg, num_cpus=cpus, max_restarts=0) for _ in range(workers)]
-        ray.get([a.ready.remote() for a in actors])
-        startup = time.perf_counter() - t0
-        reqs = [GenRequest(f"p{i}", p, new_tokens, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]
-        ray.get([a.generate.remote(reqs[:1]) for a in actors])  # warm-up
-        t0 = time.perf_counter()
-        outs = ray.get([a.generate.remote(reqs[w::workers]) for w, a in enumerate(actors)])
-        seconds = time.perf_counter() - t0
-        return seconds, sum(len(r.token_ids) for batch in outs for r in batch), startup
-    finally:
-        ray.shutdown()
+        self.actors = [spawn_worker(cfg, num_cpus=cpus, max_restarts=0) for _ in range(workers)]
+        ray.get([a.ready.remote() for a in self.actors])
+        self.startup = time.perf_counter() - t0
+        self.new_tokens = new_tokens
+
+    def run(self, prompts: list[list[int]]) -> int:
+        import ray
+
+        from rollout.worker import GenRequest
+
+        reqs = [GenRequest(f"p{i}", p, self.new_tokens, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]
+        n = len(self.actors)
+        outs = ray.get([a.generate.remote(reqs[w::n]) for w, a in enumerate(self.actors)])
+        return sum(len(r.token_ids) for batch in outs for r in batch)
 
 
 def main(args: argparse.Namespace) -> int:
+    import ray
     import torch
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     load_before = os.getloadavg()[0]
+    torch.set_num_threads(args.workers * args.cpus_per_worker)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -102,17 +114,27 @@ def main(args: argparse.Namespace) -> int:
             model_dir = str(write_tiny_qwen3(Path(tmp) / "tiny-qwen3"))
         prompts = chat_prompts(model_dir, args.env, args.prompts)
         n, new = len(prompts), args.max_new_tokens
-        rows = []
-        s, tok, startup = time_ray_vllm(model_dir, args.dtype, prompts, new, args.workers, args.cpus_per_worker)
-        rows.append((f"Ray + vLLM, {args.workers} worker(s) x {args.cpus_per_worker} CPUs, one batched call each", s, tok))
-        torch.set_num_threads(args.workers * args.cpus_per_worker)
-        s, tok = time_hf(model_dir, args.dtype, prompts, new, batched=True)
-        rows.append((f"HF generate, all {n} prompts in one left-padded batch", s, tok))
-        s, tok = time_hf(model_dir, args.dtype, prompts, new, batched=False)
-        rows.append(("HF generate, one prompt at a time", s, tok))
+        vllm = RayVLLMPath(model_dir, args.dtype, max(map(len, prompts)) + new, new, args.workers, args.cpus_per_worker)
+        hf = HFPath(model_dir, args.dtype, new)
+        paths = {
+            f"Ray + vLLM, {args.workers} worker(s) x {args.cpus_per_worker} CPUs, one batched call each": vllm.run,
+            f"HF generate, all {n} prompts in one left-padded batch": hf.batched,
+            "HF generate, one prompt at a time": hf.one_at_a_time,
+        }
+        for run in paths.values():  # warm-up
+            run(prompts[:1])
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        tokens: dict[str, int] = {}
+        for _ in range(args.repeats):  # interleaved, so load changes on the shared machine hit every path
+            for name, run in paths.items():
+                t0 = time.perf_counter()
+                tokens[name] = run(prompts)
+                seconds[name].append(time.perf_counter() - t0)
+        ray.shutdown()
 
     cmd = shlex.join(["marathon", "bench", *sys.argv[2:]]) if len(sys.argv) > 2 else "marathon bench rollout"
-    base = rows[-1][2] / rows[-1][1]
+    best = {name: min(s) for name, s in seconds.items()}
+    base = tokens["HF generate, one prompt at a time"] / best["HF generate, one prompt at a time"]
     lines = [
         f"Command: `{cmd}`",
         "",
@@ -120,11 +142,13 @@ def main(args: argparse.Namespace) -> int:
         f"{n} chat prompts from {args.env} (lengths {min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
         f"{new} sampled tokens each (eos ignored), temperature 1; torch threads {torch.get_num_threads()}, "
         f"{os.cpu_count()} CPUs on the machine, shared: 1-min load average {load_before:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end. Engine start-up (not in the timings): {startup:.1f} s.",
+        f"{os.getloadavg()[0]:.1f} at the end. {args.repeats} interleaved repeats; tokens/s from the best one. "
+        f"Engine start-up (not in the timings): {vllm.startup:.1f} s.",
         "",
-        "| path | seconds | generated tokens | tokens/s | vs HF one at a time |",
+        "| path | generated tokens | seconds (best / median) | tokens/s | vs HF one at a time |",
         "|---|---|---|---|---|",
-        *[f"| {name} | {s:.2f} | {tok} | {tok / s:.0f} | {tok / s / base:.1f}x |" for name, s, tok in rows],
+        *[f"| {name} | {tokens[name]} | {best[name]:.2f} / {statistics.median(s):.2f} | {tokens[name] / best[name]:.0f} "
+          f"| {tokens[name] / best[name] / base:.1f}x |" for name, s in seconds.items()],
         "",
     ]
     text = "\n".join(lines)
