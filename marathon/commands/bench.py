@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES: tuple[str, ...] = ("memory", "rollout")
+BENCHES: tuple[str, ...] = ("memory", "rollout", "kernels")
 
 
 def register(subparsers) -> None:

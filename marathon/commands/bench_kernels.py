@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-budget-s", type=float, default=240.0,
                         help="seconds for the correctness checks (run after the timings); later lengths are skipped")
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
+    parser.add_argument("--render-only", metavar="RESULTS_JSON",
+                        help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
 
 
 def _bench(fn, rep_ms: float = 200.0) -> float:
@@ -298,8 +300,12 @@ def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     by = {(r["method"], r["T"]): r for r in kda_rows}
     for r in kda_rows:
+        if r["fwd_bwd_ms"] != r["fwd_bwd_ms"]:  # NaN: out of GPU memory in that run
+            lines.append(f"| {r['T']} | {r['method']} | OOM | OOM | | | | | |")
+            continue
         ratio = ""
-        if r["method"] == "ours" and ("fla_chunk_kda", r["T"]) in by:
+        fla = by.get(("fla_chunk_kda", r["T"]))
+        if r["method"] == "ours" and fla and fla["fwd_bwd_ms"] == fla["fwd_bwd_ms"]:
             ratio = f"{by[('fla_chunk_kda', r['T'])]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
         lines.append(f"| {r['T']} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['Mtok_s']:.2f} | "
                      f"{r['tflops']:.1f} | {100 * r['tflops'] / peak:.1f} | {r['peak_gib']:.2f} | {ratio} |")
@@ -309,6 +315,9 @@ def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
               "## Correctness vs the PyTorch reference (fp64, chunked path, first "
               f"{meta['check_heads']} heads; o, final state, all gradients)", "",
               "| tokens | dtype | max norm-rel error | tol | ok | worst tensor |", "|---|---|---|---|---|---|"]
+    unchecked = sorted({r["T"] for r in kda_rows} - set(checks))
+    if unchecked:
+        lines.append(f"| {', '.join(map(str, unchecked))} | - | not run in this call (--check-budget-s) | | | |")
     for T, c in checks.items():
         for dt, r in c.items():
             worst = max(r["errs"], key=r["errs"].get)
@@ -331,7 +340,30 @@ def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_outputs(out: Path, meta, checks, kda_rows, decode, moe_rows) -> None:
+    """results.md, results.csv and kernels.png from the measured rows (also used by --render-only)."""
+    ours = {r["T"]: r["fwd_bwd_ms"] for r in kda_rows if r["method"] == "ours"}
+    sdpa = {r["T"]: r["fwd_bwd_ms"] for r in kda_rows if r["method"] == "sdpa_flash"}
+    faster = [T for T in sorted(sdpa) if ours[T] < sdpa[T]]
+    timed = ", ".join(f"{T}: {ours[T]:.2f} vs {sdpa[T]:.2f} ms" for T in sorted(sdpa))
+    crossover = (f"ours is faster from {faster[0]} tokens on (ours vs SDPA fwd+bwd at {timed})" if faster
+                 else f"not reached at the lengths timed ({timed})")
+    (out / "results.md").write_text(_markdown(meta, checks, kda_rows, decode, moe_rows, crossover))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(kda_rows[0]))
+        writer.writeheader()
+        writer.writerows(kda_rows)
+    _plot(kda_rows, moe_rows, out / "kernels.png")
+    print((out / "results.md").read_text())
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.render_only:
+        data = json.loads(Path(args.render_only).read_text())
+        checks = {int(k): v for k, v in data["checks"].items()}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        _write_outputs(Path(args.out), data["meta"], checks, data["kda"], data["decode"], data["moe"])
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -387,19 +419,7 @@ def main(args: argparse.Namespace) -> int:
         checks[T] = _check_kda(B, T, min(args.check_heads, H), D)
         print(f"T={T} check {json.dumps(checks[T])} ({time.time() - t0:.0f}s)", flush=True)
         save()
-    ours = {r["T"]: r["fwd_bwd_ms"] for r in kda_rows if r["method"] == "ours"}
-    sdpa = {r["T"]: r["fwd_bwd_ms"] for r in kda_rows if r["method"] == "sdpa_flash"}
-    faster = [T for T in sorted(sdpa) if ours[T] < sdpa[T]]
-    crossover = (f"ours is faster from {faster[0]} tokens on (of the lengths timed: "
-                 + ", ".join(f"{T}: {ours[T]:.2f} vs {sdpa[T]:.2f} ms" for T in sorted(sdpa)) + ")") if faster else \
-        "not reached at the lengths timed"
-    (out / "results.md").write_text(_markdown(meta, checks, kda_rows, decode, moe_rows, crossover))
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(kda_rows[0]))
-        writer.writeheader()
-        writer.writerows(kda_rows)
-    _plot(kda_rows, moe_rows, out / "kernels.png")
-    print((out / "results.md").read_text())
+    _write_outputs(out, meta, checks, kda_rows, decode, moe_rows)
     ok = all(r["ok"] for c in checks.values() for r in c.values()) and decode["ok"] and all(r["ok"] for r in moe_rows)
     return 0 if ok else 1
 
