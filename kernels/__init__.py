@@ -10,17 +10,18 @@ from kernels.gated_delta import gated_delta_rule_step, recurrent_gated_delta_rul
 from kernels.grouped_gemm import grouped_mm_reference
 
 try:  # triton is absent on CPU-only installs
-    from kernels.gated_delta_triton import BT as TRITON_CHUNK
+    from kernels.gated_delta_triton import CHUNK as TRITON_CHUNK
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
 except ImportError:
     chunk_gated_delta_rule_triton = None
 
 
-def _triton_handles(q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int) -> bool:
-    """The Triton kernel: CUDA tensors, one chunk length, no packing, power-of-two head dims in [16, 256]."""
+def _triton_handles(q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int, bounded_gate: bool) -> bool:
+    """The Triton kernel: CUDA tensors, the bounded gate (g >= -5), one chunk length, no packing, head dims
+    64, 128 or 256."""
     if chunk_gated_delta_rule_triton is None or not q.is_cuda or cu_seqlens is not None or chunk_size != TRITON_CHUNK:
         return False
-    return all(16 <= d <= 256 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
+    return bounded_gate and all(d in (64, 128, 256) for d in (q.shape[-1], v.shape[-1]))
 
 
 def gated_delta_rule(
@@ -34,10 +35,13 @@ def gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    bounded_gate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a sequence (signature of ``chunk_gated_delta_rule``): the Triton kernel for
-    CUDA tensors when it imports and handles the shapes, else the chunked PyTorch form."""
-    if _triton_handles(q, v, cu_seqlens, chunk_size):
+    CUDA tensors when it imports and handles the shapes, else the chunked PyTorch form. ``bounded_gate``
+    says g came from the bounded gate (g >= -5); the Triton kernel refuses anything below -5.5, so an
+    unbounded (-softplus) gate always takes the PyTorch path."""
+    if _triton_handles(q, v, cu_seqlens, chunk_size, bounded_gate):
         return chunk_gated_delta_rule_triton(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
         )

@@ -94,7 +94,8 @@ class LinearAttention(nn.Module):
             o = o.unsqueeze(1).to(x.dtype)  # [B, 1, H, V]
         else:
             o, state = kernels.gated_delta_rule(
-                q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens
+                q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
+                bounded_gate=self.gate_fn == "bounded",
             )  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         if cache is not None:
             cache.conv_states = {"q": conv_q, "k": conv_k, "v": conv_v}
