@@ -95,7 +95,7 @@ class LinearAttention(nn.Module):
         else:
             o, state = kernels.gated_delta_rule(
                 q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
-                bounded_gate=self.gate_fn == "bounded",
+                bounded_gate=self.gate_fn == "bounded" and self.g_min >= -5,  # the Triton kernel takes g >= -5
             )  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         if cache is not None:
             cache.conv_states = {"q": conv_q, "k": conv_k, "v": conv_v}
