@@ -8,10 +8,10 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-# lengths 6 / 100 / 70 / 1, +40 generated: crosses the 64-token sliding window and the 64-token chunk of the
+# lengths 6 / 100 / 70 / 1, +32 generated: crosses the 64-token sliding window and the 64-token chunk of the
 # linear layers' chunked prefill; the 100-token prompt prefills more than one chunk.
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 120)), [300 + (7 * i) % 200 for i in range(70)], [42]]
-NEW_TOKENS = 40
+NEW_TOKENS = 32
 
 # fp32 rounding through 4 layers and a 512-way log-softmax: measured mean |diff| ~3e-7, max ~3e-6 (see
 # benchmarks/parity). A mis-served detail (a stale or mis-mapped tensor, an off-by-one window) moves
@@ -42,6 +42,14 @@ def test_entry_point_registers_the_architecture():
     (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "marathon"]
     ep.load()()
     assert "MarathonForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+def test_layouts_without_linear_layers_use_the_non_hybrid_class():
+    from model.config import MarathonConfig
+    from rollout.vllm_plugin.model import serving_architecture
+
+    assert serving_architecture(MarathonConfig(layer_layout="LSLG")) == "MarathonForCausalLM"
+    assert serving_architecture(MarathonConfig(layer_layout="SG")) == "MarathonAttnForCausalLM"
 
 
 def test_greedy_decode_matches_hf(marathon_engine, hf_marathon):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES: tuple[str, ...] = ("memory", "rollout", "kernels")
+BENCHES: tuple[str, ...] = ("memory", "rollout", "kernels", "parity")
 
 
 def register(subparsers) -> None:

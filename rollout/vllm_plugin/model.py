@@ -102,12 +102,21 @@ class MarathonModel(nn.Module):
         return self.norm(stream)
 
 
-class MarathonForCausalLM(nn.Module, HasInnerState, IsHybrid):
+class MarathonAttnForCausalLM(nn.Module):
+    """A layout without linear (L) layers: vLLM allocates linear-attention state only for models declared
+    hybrid, and a hybrid model without such layers is refused, so these layouts are served by this class
+    (select it with ``hf_overrides={"architectures": [serving_architecture(config)]}``)."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         if get_tensor_model_parallel_world_size() != 1:
             raise ValueError("the Marathon vLLM plugin runs with tensor_parallel_size=1 only")
         config: MarathonConfig = vllm_config.model_config.hf_config
+        if ("L" in config.layer_kinds) != getattr(self, "is_hybrid", False):
+            raise ValueError(
+                f"layout {config.layer_layout!r} must be served as {serving_architecture(config)}, not "
+                f"{type(self).__name__} (pass hf_overrides={{'architectures': [serving_architecture(config)]}})"
+            )
         self.config = config
         self.model = MarathonModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         if config.tie_word_embeddings:
@@ -131,19 +140,6 @@ class MarathonForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
-
-    # --- hybrid state declaration (one L layer's state per request) --------------------------------------------
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return linear_state_shapes(vllm_config.model_config.hf_config)
-
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
-        return linear_state_dtypes(vllm_config)
-
-    @classmethod
-    def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.kda_state_copy_func()
 
     # --- weights -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -170,6 +166,28 @@ class MarathonForCausalLM(nn.Module, HasInnerState, IsHybrid):
             getattr(target, "weight_loader", default_weight_loader)(target, tensor)
             loaded.add(name)
         return loaded
+
+
+class MarathonForCausalLM(MarathonAttnForCausalLM, HasInnerState, IsHybrid):
+    """The hybrid model (the checkpoint's architecture): layouts with linear (L) layers."""
+
+    # --- hybrid state declaration (one L layer's state per request) --------------------------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return linear_state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return linear_state_dtypes(vllm_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+
+def serving_architecture(config: MarathonConfig) -> str:
+    """The registered vLLM architecture that serves this config's layout."""
+    return "MarathonForCausalLM" if "L" in config.layer_kinds else "MarathonAttnForCausalLM"
 
 
 def _join(prefix: str, name: str) -> str:
