@@ -238,6 +238,8 @@ class EpisodeRunner:
                 except ray.exceptions.RayActorError as e:
                     self._rerun(w, batch, e, alive, pending)
                 else:
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"worker {w} returned {len(results)} results for {len(batch)} requests")
                     going = list(threads.map(self._advance, batch, results))
                     self.stats.turns += len(batch)
                     for ep, cont in zip(batch, going):

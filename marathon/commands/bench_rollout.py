@@ -15,9 +15,29 @@ import time
 from pathlib import Path
 
 
+def _tiny_qwen3(path: Path) -> Path:
+    from marathon.tiny import write_tiny_qwen3
+
+    return write_tiny_qwen3(path)
+
+
+def _tiny_marathon(path: Path) -> Path:
+    from rollout.vllm_plugin.tiny import write_tiny_marathon
+
+    return write_tiny_marathon(path)
+
+
+TINY = {"tiny-qwen3": _tiny_qwen3, "tiny-marathon": _tiny_marathon}
+TINY_DOC = {
+    "tiny-qwen3": "tiny random Qwen3 (marathon/tiny.py: 2 layers, hidden 128, vocab 512)",
+    "tiny-marathon": "tiny random MarathonForCausalLM (rollout/vllm_plugin/tiny.py: preset tiny, served by our plugin)",
+}
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("rollout", help="generated tokens/s: Ray + vLLM workers vs HF generate")
-    parser.add_argument("--model", help="HF checkpoint dir (default: a fresh tiny random Qwen3)")
+    parser.add_argument("--model", default="tiny-qwen3",
+                        help="HF checkpoint dir, or tiny-qwen3 / tiny-marathon (a fresh tiny random model)")
     parser.add_argument("--env", default="marathon/Arithmetic-v0", help="env whose opening prompts are used")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -50,6 +70,8 @@ class HFPath:
     def __init__(self, model_dir: str, dtype: str, new_tokens: int) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+
+        import model  # noqa: F401 - registers MarathonForCausalLM with transformers' Auto classes
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.pad = self.model.config.pad_token_id or 0
@@ -88,6 +110,15 @@ class RayVLLMPath:
         self.startup = time.perf_counter() - t0
         self.new_tokens = new_tokens
 
+    def sync_weights(self, state: dict) -> tuple[float, float]:
+        """(MiB, seconds) of one weight update of every worker through the object store (``WorkerPool``)."""
+        from rollout.runner import WorkerPool
+
+        t0 = time.perf_counter()
+        WorkerPool(self.actors).update_weights(state, version=1)
+        sizes = {t.data_ptr(): t.numel() * t.element_size() for t in state.values()}  # tied tensors once
+        return sum(sizes.values()) / 2**20, time.perf_counter() - t0
+
     def run(self, prompts: list[list[int]]) -> int:
         import ray
 
@@ -108,10 +139,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.workers * args.cpus_per_worker)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
-        if model_dir is None:
-            from marathon.tiny import write_tiny_qwen3
-
-            model_dir = str(write_tiny_qwen3(Path(tmp) / "tiny-qwen3"))
+        if model_dir in TINY:
+            model_dir = str(TINY[model_dir](Path(tmp) / model_dir))
         prompts = chat_prompts(model_dir, args.env, args.prompts)
         n, new = len(prompts), args.max_new_tokens
         vllm = RayVLLMPath(model_dir, args.dtype, max(map(len, prompts)) + new, new, args.workers, args.cpus_per_worker)
@@ -130,6 +159,7 @@ def main(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 tokens[name] = run(prompts)
                 seconds[name].append(time.perf_counter() - t0)
+        sync = vllm.sync_weights(hf.model.state_dict())
         ray.shutdown()
 
     cmd = shlex.join(["marathon", "bench", *sys.argv[2:]]) if len(sys.argv) > 2 else "marathon bench rollout"
@@ -138,12 +168,13 @@ def main(args: argparse.Namespace) -> int:
     lines = [
         f"Command: `{cmd}`",
         "",
-        f"Model: {args.model or 'tiny random Qwen3 (marathon/tiny.py: 2 layers, hidden 128, vocab 512)'}, {args.dtype}; "
+        f"Model: {TINY_DOC.get(args.model, args.model)}, {args.dtype}; "
         f"{n} chat prompts from {args.env} (lengths {min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
         f"{new} sampled tokens each (eos ignored), temperature 1; torch threads {torch.get_num_threads()}, "
         f"{os.cpu_count()} CPUs on the machine, shared: 1-min load average {load_before:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end. {args.repeats} interleaved repeats; tokens/s from the best one. "
-        f"Engine start-up (not in the timings): {vllm.startup:.1f} s.",
+        f"Engine start-up (not in the timings): {vllm.startup:.1f} s. Weight sync of all workers "
+        f"(`WorkerPool.update_weights`, {sync[0]:.1f} MiB): {sync[1]:.2f} s.",
         "",
         "| path | generated tokens | seconds (best / median) | tokens/s | vs HF one at a time |",
         "|---|---|---|---|---|",
