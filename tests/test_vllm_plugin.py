@@ -101,3 +101,32 @@ def test_prefix_cache_hit_matches_hf(marathon_engine, hf_marathon):
     served = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
     d = (served - hf_token_logprobs(hf_marathon, prompt, list(comp.token_ids))).abs()
     assert d.mean() < MEAN_BOUND and d.max() < MAX_BOUND, (d.mean().item(), d.max().item())
+
+
+def test_inplace_reload_serves_new_weights(marathon_engine, hf_marathon, tiny_marathon_dir, tmp_path):
+    """vLLM's in-place reload (what learner weight sync uses) goes through our load_weights; every tensor,
+    the prepacked MoE experts included, must follow the new weights. The engine is restored afterwards."""
+    from vllm import SamplingParams
+
+    from model.modeling import MarathonForCausalLM
+
+    perturbed = MarathonForCausalLM.from_pretrained(tiny_marathon_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for t in perturbed.state_dict().values():
+            if t.is_floating_point():
+                t.add_(0.05 * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=g))
+    perturbed.save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompt = PROMPTS[1]
+    try:
+        marathon_engine.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path)})
+        comp = marathon_engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        served = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
+        ids = list(comp.token_ids)
+        d_new = (served - hf_token_logprobs(perturbed, prompt, ids)).abs()
+        d_old = (served - hf_token_logprobs(hf_marathon, prompt, ids)).abs()
+    finally:
+        marathon_engine.collective_rpc("reload_weights", kwargs={"weights_path": str(tiny_marathon_dir)})
+    assert d_new.mean() < MEAN_BOUND and d_new.max() < MAX_BOUND, (d_new.mean().item(), d_new.max().item())
+    assert d_old.mean() > 100 * MEAN_BOUND, "the perturbation should be visible in the logprobs"
