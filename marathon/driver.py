@@ -150,6 +150,11 @@ def rope_overrides(model_dir: Path, stage: Stage) -> dict[str, Any]:
     return out
 
 
+def _engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    n = cfg.rollout.max_num_batched_tokens
+    return {"max_num_batched_tokens": n} if n else {}
+
+
 def derive_seed(*parts: int) -> int:
     """A 31-bit seed from integers (run seed, step, episode): reproducible, well mixed."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
@@ -220,6 +225,8 @@ class Trainer:
         saved = self.ckpt / "driver.pt"
         if not (self.resume and saved.is_file()):
             if self.out.exists() and any(self.out.iterdir()) and not self.resume:
+                if not (self.out / "config.yaml").is_file():  # only ever delete what a run wrote
+                    raise ConfigError(f"output_dir {self.out} is not empty and holds no marathon run; not deleting it")
                 shutil.rmtree(self.out)
             return RunState()
         blob = torch.load(saved, weights_only=False)
@@ -254,6 +261,7 @@ class Trainer:
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             tensor_parallel_size=stage.rollout_tensor_parallel_size,
             enable_prefix_caching=cfg.rollout.prefix_caching,
+            engine_kwargs=_engine_kwargs(cfg),
         )
         workers = [
             spawn_worker(wcfg, num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker)
@@ -529,7 +537,8 @@ class Trainer:
                 "metrics_csv": str(self.out / "metrics.csv"), "plot": str(self.out / "plot.png")}
 
 
-def evaluate_checkpoint(plan: Plan, model_dir: str | Path, stage: Stage, num_seeds: int | None = None) -> dict:
+def evaluate_checkpoint(plan: Plan, model_dir: str | Path, stage: Stage, num_seeds: int | None = None,
+                        temperature: float | None = None) -> dict:
     """Held-out success of an HF checkpoint: one rollout worker, the config's evaluation settings."""
     import ray
     from transformers import AutoTokenizer
@@ -540,18 +549,20 @@ def evaluate_checkpoint(plan: Plan, model_dir: str | Path, stage: Stage, num_see
     from rollout.worker import WorkerConfig, spawn_worker
 
     cfg = plan.cfg
+    temp = cfg.eval.temperature if temperature is None else temperature
     t0 = time.perf_counter()
     start_ray()
     worker = spawn_worker(WorkerConfig(model=str(model_dir), dtype="float32", max_model_len=stage.max_episode_tokens,
-                                       seed=cfg.seed, kv_cache_gib=cfg.rollout.kv_cache_gib),
+                                       seed=cfg.seed, kv_cache_gib=cfg.rollout.kv_cache_gib,
+                                       engine_kwargs=_engine_kwargs(cfg)),
                           num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker)
     try:
         ray.get(worker.ready.remote())
         codec = ChatCodec(AutoTokenizer.from_pretrained(str(model_dir)))
         res = evaluate(WorkerPool([worker]), codec, cfg.env.id, stage.env_kwargs,
                        heldout_seeds(num_seeds or cfg.eval.num_seeds), stage.max_new_tokens_per_turn,
-                       stage.max_episode_tokens, cfg.eval.temperature, cfg.seed)
+                       stage.max_episode_tokens, temp, cfg.seed)
     finally:
         ray.kill(worker)
     return {"checkpoint": str(model_dir), "env": cfg.env.id, "stage": stage.name, **res,
-            "temperature": cfg.eval.temperature, "wall_s": round(time.perf_counter() - t0, 1)}
+            "temperature": temp, "wall_s": round(time.perf_counter() - t0, 1)}

@@ -72,7 +72,7 @@ class MetricsLog:
             ax_r.plot(steps, [r["reward_mean"] for r in rl], label="train reward (mean)")
             ax_s.plot(steps, [r["success_rate"] for r in rl], label="train success")
         if ev:
-            ax_s.plot([r["step"] for r in ev], [r["eval/success"] for r in ev], "o-", label="held-out success (greedy)")
+            ax_s.plot([r["step"] for r in ev], [r["eval/success"] for r in ev], "o-", label="held-out success")
         sft = [r for r in self.rows if r.get("phase") == "sft"]
         if sft:
             ax_r.axvline(sft[-1]["step"], color="gray", ls="--", lw=1, label="end of SFT")

@@ -45,10 +45,10 @@ def test_two_step_run_end_to_end(ray_local, tmp_path):
     assert Trainer(prepare(ROOT / "configs" / "tiny.yaml", {**SMALL, "output_dir": str(out)}), progress=False).run()["step"] == 3
 
 
-def _train_cmd(out, steps, **extra):
-    sets = {**SMALL, "steps": steps, "output_dir": str(out), "eval.every": 0, "checkpoint_every": 2, **extra}
+def _train_cmd(config, out, steps):
+    sets = {**SMALL, "steps": steps, "output_dir": str(out), "eval.every": 0, "checkpoint_every": 2}
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    return [sys.executable, "-m", "marathon.cli", "train", "configs/tiny.yaml", "--no-progress", *args]
+    return [sys.executable, "-m", "marathon.cli", "train", str(config), "--no-progress", *args]
 
 
 DETERMINISTIC = ("step", "phase", "reward_mean", "success_rate", "episode_tokens", "model_tokens", "loss",
@@ -59,8 +59,10 @@ DETERMINISTIC = ("step", "phase", "reward_mean", "success_rate", "episode_tokens
 def test_kill_and_resume_continues_the_same_trajectory(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     full, cut = tmp_path / "full", tmp_path / "cut"
-    subprocess.run(_train_cmd(full, 5), cwd=ROOT, env=env, check=True, capture_output=True)
-    proc = subprocess.Popen(_train_cmd(cut, 5), cwd=ROOT, env=env, start_new_session=True,
+    config = tmp_path / "tiny.yaml"  # a frozen copy: both runs and the resume see the same config
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text())
+    subprocess.run(_train_cmd(config, full, 5), cwd=ROOT, env=env, check=True, capture_output=True)
+    proc = subprocess.Popen(_train_cmd(config, cut, 5), cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = cut / "checkpoint" / "driver.pt"
     deadline = time.time() + 400
@@ -72,7 +74,7 @@ def test_kill_and_resume_continues_the_same_trajectory(tmp_path):
         pytest.fail("no RL checkpoint appeared")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(_train_cmd(cut, 5), cwd=ROOT, env=env, capture_output=True, text=True)
+    resumed = subprocess.run(_train_cmd(config, cut, 5), cwd=ROOT, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout + resumed.stderr
     a, b = _rows(full / "metrics.csv"), _rows(cut / "metrics.csv")

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         if args.stage is not None and args.stage not in names:
             raise ConfigError(f"--stage {args.stage}: unknown stage; known: {names}")
         stage = plan.stages[names.index(args.stage) if args.stage else -1]
-        result = evaluate_checkpoint(plan, model_dir, stage, num_seeds=args.num_seeds)
+        result = evaluate_checkpoint(plan, model_dir, stage, num_seeds=args.num_seeds, temperature=args.temperature)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -44,5 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("config", help="the run config (env, episode limits, evaluation settings)")
     p.add_argument("--checkpoint", required=True, help="HF policy dir, run checkpoint dir, or run output dir")
     p.add_argument("--num-seeds", type=int, default=None, help="held-out seeds (default: eval.num_seeds)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 greedy "
+                   "(default: eval.temperature)")
     p.add_argument("--stage", default=None, help="stage whose episode limits apply (default: the last)")
     p.set_defaults(func=run)
