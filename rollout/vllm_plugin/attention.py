@@ -34,6 +34,22 @@ def _rope(config: MarathonConfig, dim: int):
     )
 
 
+def _check_cpu_head_size(head_size: int) -> None:
+    """vLLM's CPU attention kernels exist for a fixed set of head sizes; say which config keys to change."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in sizes:
+        raise ValueError(
+            f"gated MLA is served as one latent KV head of kv_lora_rank + qk_rope_head_dim = {head_size}, but "
+            f"vLLM's CPU attention supports head sizes {sizes}"
+        )
+
+
 class MarathonSlidingAttention(nn.Module):
     def __init__(self, config: MarathonConfig, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
@@ -84,6 +100,7 @@ class MarathonLatentAttention(nn.Module):
         self.o_proj = linear(H * self.v_dim, D)
         self.rotary_emb = _rope(config, self.rope) if config.mla_use_rope else None
         self.latent_dim = self.kv_lora_rank + self.rope
+        _check_cpu_head_size(self.latent_dim)
         # cache_config=None: the model-level `sliding_window` must not apply to global layers
         self.attn = Attention(
             H, self.latent_dim, (self.nope + self.rope) ** -0.5, num_kv_heads=1, cache_config=None, prefix=f"{prefix}.attn"
