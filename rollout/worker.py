@@ -9,6 +9,7 @@ the model without another serialization hop. On GPUs the same API holds (tensor-
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
 WeightsArg = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -116,9 +118,25 @@ class RolloutWorker:
             enable_return_routed_experts=config.return_routed_experts,
             **config.engine_kwargs,
         )
+        self.seeded = self._seeds_supported()
+        if not self.seeded:
+            log.warning("per-request sampling seeds are ignored: vLLM cannot rewind a CPU generator after a "
+                        "partial prefill, which this model/config can schedule")
+
+    def _seeds_supported(self) -> bool:
+        """vLLM rewinds a seeded request's generator after a partial-prefill step with ``Generator.set_offset``,
+        which CPU generators lack (RuntimeError mid-batch). On CPU, honour seeds only when no prompt can be
+        prefilled in pieces: not for hybrid models (their prefill is cut at cache-block boundaries) nor when
+        chunked prefill has a budget below the context."""
+        from vllm.platforms import current_platform
+
+        vc = self.llm.llm_engine.vllm_config
+        sched = vc.scheduler_config
+        chunked = sched.enable_chunked_prefill and sched.max_num_batched_tokens < vc.model_config.max_model_len
+        return not (current_platform.is_cpu() and (vc.model_config.is_hybrid or chunked))
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "version": self.version}
+        return {"pid": os.getpid(), "version": self.version, "seeded": self.seeded}
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate all requests in one engine call (vLLM batches them); results in request order."""
@@ -141,7 +159,7 @@ class RolloutWorker:
                     max_tokens=min(r.max_new_tokens, room),
                     temperature=r.temperature,
                     top_p=r.top_p,
-                    seed=r.seed,
+                    seed=r.seed if self.seeded else None,
                     ignore_eos=r.ignore_eos,
                     stop_token_ids=list(r.stop_token_ids),
                     logprobs=0,  # the sampled token's logprob only
