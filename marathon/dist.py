@@ -19,9 +19,9 @@ def init_single_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        # A fresh port every time: a MASTER_PORT inherited from a parent process (a Ray actor inherits the
+        # driver's environment) may be bound by that parent's own store.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)

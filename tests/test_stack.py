@@ -33,19 +33,12 @@ def test_vllm_generates_token_ids_and_logprobs(vllm_engine):
     assert list(again.outputs[0].token_ids) == list(completion.token_ids)
 
 
-def test_ray_runs_remote_tasks():
-    import ray
+def test_ray_runs_remote_tasks(ray_local):
+    @ray_local.remote
+    def square(x):
+        return x * x
 
-    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    try:
-
-        @ray.remote
-        def square(x):
-            return x * x
-
-        assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
-    finally:
-        ray.shutdown()
+    assert ray_local.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
 
 
 def test_deepspeed_cpu_step_reduces_loss():
