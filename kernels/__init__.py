@@ -39,13 +39,17 @@ def gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a sequence (signature of ``chunk_gated_delta_rule``): the Triton kernel for
     CUDA tensors when it imports and handles the shapes, else the chunked PyTorch form. ``bounded_gate``
-    says g came from the bounded gate (g >= -5); the Triton kernel refuses anything below -5.5, so an
-    unbounded (-softplus) gate always takes the PyTorch path."""
+    says g came from the bounded gate (g >= -5). An unbounded (-softplus) gate takes the PyTorch path with
+    exact diagonal tiles: its in-tile reciprocal decay overflows the factorised tile products (the Triton
+    kernel refuses g below -5.5 for the same reason)."""
     if _triton_handles(q, v, cu_seqlens, chunk_size, bounded_gate):
         return chunk_gated_delta_rule_triton(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
         )
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+        exact_diagonal=not bounded_gate,
+    )
 
 
 __all__ = [

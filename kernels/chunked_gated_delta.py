@@ -50,8 +50,13 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    exact_diagonal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H].
+
+    ``exact_diagonal`` builds the diagonal 16-token tiles from pairwise decays ``exp(G_t - G_s)``, s <= t
+    (elementwise over K, no matrix product), instead of the factorised in-tile reciprocal decay: slower, but
+    finite for an unbounded gate (``-softplus``), whose reciprocal decay overflows.
 
     ``cu_seqlens`` (int64 [N + 1], B must be 1) packs N sequences along T; the state resets at each boundary
     and ``initial_state`` / the final state then have N rows. Returns (o [B, T, H, V] in v.dtype,
@@ -60,20 +65,20 @@ def chunk_gated_delta_rule(
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
-        return _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+        return _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
 
     # Packed sequences -> a zero-padded batch [N, T_max, H, ...]. Padding tokens have k = 0, beta = 0 and
     # g = 0 (no decay), so they leave the state untouched and the final state is each sequence's own.
     bounds = cu_seqlens.tolist()
     segments = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     padded = [pad_sequence([x[0, s] for s in segments], batch_first=True) for x in (q, k, v, g, beta)]
-    o, final_state = _chunked(*padded, scale, initial_state, output_final_state, chunk_size)
+    o, final_state = _chunked(*padded, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
     lengths = torch.tensor([s.stop - s.start for s in segments], device=o.device)
     valid = torch.arange(o.shape[1], device=o.device) < lengths[:, None]  # [N, T_max]
     return o[valid].unsqueeze(0), final_state  # [1, T, H, V]
 
 
-def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal):
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -102,15 +107,24 @@ def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_s
     # Row tile i, reference r = gc just before the tile: exp(G_t - G_s) = exp(G_t - r) * exp(r - G_s).
     A = q.new_zeros(*gc.shape[:-1], C)
     Aqk = q.new_zeros(*gc.shape[:-1], C)
+    in_tile_causal = torch.ones(TILE, TILE, dtype=torch.bool, device=q.device).tril()  # s <= t
     for i in range(C // TILE):
-        rows, cols = slice(i * TILE, (i + 1) * TILE), slice(0, (i + 1) * TILE)
+        rows = slice(i * TILE, (i + 1) * TILE)
+        cols = slice(0, i * TILE) if exact_diagonal else slice(0, (i + 1) * TILE)
         row_decay = tile_cum[..., rows, :].exp()  # exp(G_t - r), [.., TILE, K], <= 1
         # r - G_s: <= 0 for earlier tiles (the decay from s to the tile start); for the diagonal tile
         # -tile_cum, the in-tile reciprocal decay: <= 80 for g >= -5, overflowing exp for an unbounded gate.
-        col_log = torch.cat([_sum_after(g[..., : i * TILE, :]), -tile_cum[..., rows, :]], dim=-2)
-        k_cols = (k[..., cols, :] * col_log.exp()).transpose(-1, -2)  # [.., K, (i+1)*TILE]
+        col_log = _sum_after(g[..., : i * TILE, :])
+        if not exact_diagonal:
+            col_log = torch.cat([col_log, -tile_cum[..., rows, :]], dim=-2)
+        k_cols = (k[..., cols, :] * col_log.exp()).transpose(-1, -2)  # [.., K, len(cols)]
         A[..., rows, cols] = dot(k[..., rows, :] * row_decay, k_cols)
         Aqk[..., rows, cols] = dot(q[..., rows, :] * row_decay, k_cols)
+        if exact_diagonal:  # pairwise exp(G_t - G_s) <= 1 for s <= t: [.., TILE(t), TILE(s), K]
+            log_decay = tile_cum[..., rows, None, :] - tile_cum[..., None, rows, :]
+            decay = log_decay.masked_fill(~in_tile_causal[..., None], float("-inf")).exp()
+            A[..., rows, rows] = torch.einsum("...tk,...sk,...tsk->...ts", k[..., rows, :], k[..., rows, :], decay)
+            Aqk[..., rows, rows] = torch.einsum("...tk,...sk,...tsk->...ts", q[..., rows, :], k[..., rows, :], decay)
     A = (A * beta).tril(-1)  # A[t, s] = beta_t <k_t exp(G_t - G_s), k_s>, s < t
     Aqk = Aqk.tril()  # s <= t; tril also drops the (large, unused) s > t entries of the diagonal tiles
 

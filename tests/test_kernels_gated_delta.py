@@ -125,6 +125,26 @@ def test_bounded_gate_keeps_bf16_tiles_finite_softplus_does_not():
     assert finite and err <= tol, f"bounded gate: finite={finite}, max abs error {err:.2e} > tol {tol:.2e}"
 
 
+def test_exact_diagonal_handles_the_unbounded_gate():
+    """-softplus at strong magnitudes (16-token decays far below -88): the factorised tiles give nan, the exact
+    diagonal tiles match the recurrent reference in fp32 (forward and gradients), and the dispatch takes them
+    when told the gate is unbounded."""
+    q, k, v, _, beta, h0 = make_inputs(T=96)
+    gen = torch.Generator().manual_seed(1)
+    g = -F.softplus(4 * torch.randn(2, 16, generator=gen) + torch.randn(2, 96, 2, 16, generator=gen))
+    inputs = (q, k, v, g, beta, h0)
+    assert g.unflatten(1, (-1, 16)).sum(2).min() < -88  # the in-tile reciprocal decay overflows
+    factorised, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0)
+    assert not factorised.isfinite().all()
+    ref = outputs_and_grads(recurrent_gated_delta_rule, inputs, torch.float32)
+    out = outputs_and_grads(chunk_gated_delta_rule, inputs, torch.float32, exact_diagonal=True)
+    for name, a, b in zip(NAMES, ref, out):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-5, f"{name}: max abs error {err:.2e} > 1e-5 (max |ref| {a.abs().max():.2f})"
+    o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=h0, bounded_gate=False)
+    assert torch.allclose(o, ref[0], atol=1e-5)
+
+
 def test_dispatch_runs_chunked_form_on_cpu():
     q, k, v, g, beta, h0 = make_inputs(T=40)
     o, s = gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
