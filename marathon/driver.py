@@ -489,6 +489,7 @@ class Trainer:
                 self._eval(state, "init", stage)
             self._sft(state, stage)
             self.metrics.add_to_last({"eval/success": self._eval(state, "sft", stage)["success"]})
+            self._export(self.out / "sft")  # the warm-started policy, for comparisons (marathon eval)
             self._save(state)
         ray.get(self.learner.snapshot_reference.remote())
         while state.stage_step < stage.steps:

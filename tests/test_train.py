@@ -96,23 +96,32 @@ def _free_port():
 def test_ray_job_submit_against_a_started_head(tmp_path):
     """`ray start --head`, then `ray job submit --working-dir . -- marathon train ...`, as the README shows."""
     bin_dir = Path(sys.executable).parent
+    # a throwaway local head: no token auth (Ray 2.60 enables it by default for `ray start`)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "DS_ACCELERATOR": "cpu",
-           "RAY_ADDRESS": ""}
-    env.pop("RAY_ADDRESS")
-    port, dash = _free_port(), _free_port()
+           "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    port, dash, *extra = (_free_port() for _ in range(7))
+    # every port the head listens on is picked free: other Ray clusters may run on this machine
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "ray-client-server-port")
+    ports = [f"--{n}={p}" for n, p in zip(names, extra)]
     temp = Path("/tmp") / f"rayjob-{os.getpid()}"  # short: Ray's socket paths are length-limited
     subprocess.run([bin_dir / "ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+                    f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats", *ports],
                    env=env, check=True, capture_output=True)
     try:
         out = tmp_path / "run"
         sets = {**SMALL, "steps": 1, "output_dir": str(out), "eval.every": 0}
         args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-        job = subprocess.run(
-            [bin_dir / "ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".",
-             "--", "marathon", "train", "configs/tiny.yaml", "--no-progress", *args],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        )
+        for _ in range(30):  # the head's job agent comes up some seconds after `ray start` returns
+            job = subprocess.run(
+                [bin_dir / "ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".",
+                 "--", "marathon", "train", "configs/tiny.yaml", "--no-progress", *args],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+            )
+            if "No available agent" not in job.stderr:
+                break
+            time.sleep(5)
         assert job.returncode == 0 and "succeeded" in job.stdout, (job.stdout + job.stderr)[-4000:]
         assert [r["phase"] for r in _rows(out / "metrics.csv")] == ["sft", "rl"]
         assert (out / "final" / "config.json").is_file()
@@ -130,8 +139,10 @@ def _stop_head(temp: Path) -> None:
                 ours.append(int(proc.name))
         except OSError:
             continue
-    for pid in ours:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
