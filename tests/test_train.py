@@ -146,3 +146,29 @@ def _stop_head(temp: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(2)
+
+
+@pytest.mark.slow
+def test_stages_run_in_order_and_a_failing_gate_stops_the_run(ray_local, tmp_path):
+    from transformers import AutoConfig
+
+    from marathon.driver import GateFailed
+
+    stages = [
+        {"name": "short", "steps": 1, "max_episode_tokens": 256, "gate": {"metric": "heldout_success", "min": 0.0}},
+        {"name": "long", "steps": 1, "max_episode_tokens": 512, "rope_theta": 40000.0,
+         "gate": {"metric": "reward_mean", "min": 5.0}},  # unreachable: rewards are at most 1
+        {"name": "never", "steps": 1, "max_episode_tokens": 512},
+    ]
+    plan = prepare(ROOT / "configs" / "tiny.yaml",
+                   {**SMALL, "steps": 0, "eval.every": 0, "stages": stages, "output_dir": str(tmp_path / "run")})
+    with pytest.raises(GateFailed, match=r"stage 'long' gate failed: reward_mean = .*required \[5.0, None\]"):
+        Trainer(plan, progress=False).run()
+    out = tmp_path / "run"
+    rows = _rows(out / "metrics.csv")
+    assert [(r["phase"], r["stage"]) for r in rows] == [("sft", "short"), ("rl", "short"), ("rl", "long")]
+    cfg = AutoConfig.from_pretrained(out / "stages" / "long" / "model")
+    assert cfg.rope_parameters["rope_theta"] == 40000.0  # the next stage starts from the exported policy
+    state = torch.load(out / "checkpoint" / "driver.pt", weights_only=False)["state"]
+    assert state["evals"]["gate:short"]["passed"] and not state["evals"]["gate:long"]["passed"]
+    assert not (out / "stages" / "never").exists()
