@@ -267,7 +267,12 @@ class Trainer:
             spawn_worker(wcfg, num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker)
             for _ in range(stage.num_rollout_workers)
         ]
-        ray.get([w.ready.remote() for w in workers] + [self.learner.router_stats.remote()])
+        ready = ray.get([w.ready.remote() for w in workers])
+        ray.get(self.learner.router_stats.remote())  # the learner is up
+        if not all(r.get("seeded", True) for r in ready):
+            self.log("warning: the rollout workers ignore per-request sampling seeds (vLLM on CPU with chunked "
+                     "prefill; raise rollout.max_num_batched_tokens): rollouts, and so resumed runs, are not "
+                     "reproducible")
         self.pool = WorkerPool(workers)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.codec = ChatCodec(self.tokenizer)
