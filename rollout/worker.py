@@ -122,18 +122,28 @@ class RolloutWorker:
         if not self.seeded:
             log.warning("per-request sampling seeds are ignored: vLLM cannot rewind a CPU generator after a "
                         "partial prefill, which this model/config can schedule")
+        # Seeded on CPU: no prompt may be prefilled in pieces, so one engine call takes at most one step's
+        # token budget of prompts (``generate`` splits larger batches); None = no such limit.
+        self.prefill_budget = (
+            self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+            if self.seeded and self._on_cpu() else None
+        )
 
     def _seeds_supported(self) -> bool:
         """vLLM rewinds a seeded request's generator after a partial-prefill step with ``Generator.set_offset``,
         which CPU generators lack (RuntimeError mid-batch). On CPU, honour seeds only when no prompt can be
         prefilled in pieces: not for hybrid models (their prefill is cut at cache-block boundaries) nor when
         chunked prefill has a budget below the context."""
-        from vllm.platforms import current_platform
-
         vc = self.llm.llm_engine.vllm_config
         sched = vc.scheduler_config
         chunked = sched.enable_chunked_prefill and sched.max_num_batched_tokens < vc.model_config.max_model_len
-        return not (current_platform.is_cpu() and (vc.model_config.is_hybrid or chunked))
+        return not (self._on_cpu() and (vc.model_config.is_hybrid or chunked))
+
+    @staticmethod
+    def _on_cpu() -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "version": self.version, "seeded": self.seeded}
@@ -168,7 +178,9 @@ class RolloutWorker:
                 )
             )
             index.append(i)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outputs = []
+        for lo, hi in split_by_token_budget([len(p["prompt_token_ids"]) for p in prompts], self.prefill_budget):
+            outputs += self.llm.generate(prompts[lo:hi], params[lo:hi], use_tqdm=False)
         for i, out in zip(index, outputs):
             r, c = requests[i], out.outputs[0]
             ids = list(c.token_ids)
@@ -194,6 +206,23 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def split_by_token_budget(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) groups whose lengths sum to at most ``budget`` (one group when budget is None).
+    A single length above the budget forms its own group."""
+    if not lengths:
+        return []
+    if budget is None:
+        return [(0, len(lengths))]
+    groups, lo, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and total + n > budget:
+            groups.append((lo, i))
+            lo, total = i, 0
+        total += n
+    groups.append((lo, len(lengths)))
+    return groups
 
 
 def spawn_worker(

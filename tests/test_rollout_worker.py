@@ -101,3 +101,32 @@ def test_update_weights_changes_what_the_engine_computes(ray_local, rollout_work
     restored = generate(ray_local, rollout_worker, PROMPTS, temperature=0.0)
     assert [r.token_ids for r in restored] == [r.token_ids for r in before]
 
+
+
+def test_split_by_token_budget():
+    from rollout.worker import split_by_token_budget
+
+    assert split_by_token_budget([], 10) == []
+    assert split_by_token_budget([4, 4, 4], None) == [(0, 3)]
+    assert split_by_token_budget([4, 4, 4], 8) == [(0, 2), (2, 3)]
+    assert split_by_token_budget([9, 3, 3, 3], 6) == [(0, 1), (1, 3), (3, 4)]  # an over-budget prompt alone
+
+
+def test_seeded_batch_above_the_prefill_budget(ray_local, tiny_qwen3_dir):
+    """On CPU, vLLM crashes ("CPU Generator does not use offset") when a seeded request is prefilled in
+    pieces, which happens once a call's prompts exceed one step's token budget. The worker splits such calls;
+    the seeded samples equal those of one request at a time."""
+    from rollout.worker import WorkerConfig, spawn_worker
+
+    cfg = WorkerConfig(model=str(tiny_qwen3_dir), dtype="float32", max_model_len=256,
+                       engine_kwargs={"max_num_batched_tokens": 256})
+    worker = spawn_worker(cfg, max_restarts=0)
+    try:
+        assert ray_local.get(worker.ready.remote())["seeded"]
+        reqs = [GenRequest(f"r{i}", [5 + i] * 100, max_new_tokens=8, seed=100 + i) for i in range(4)]  # 400 > 256
+        together = ray_local.get(worker.generate.remote(reqs))
+        alone = [ray_local.get(worker.generate.remote([r]))[0] for r in reqs]
+        assert all(len(r.token_ids) == 8 for r in together)
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    finally:
+        ray_local.kill(worker)
