@@ -12,8 +12,9 @@ from kernels.grouped_gemm import grouped_mm_reference
 try:  # triton is absent on CPU-only installs
     from kernels.gated_delta_triton import CHUNK as TRITON_CHUNK
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+    from kernels.grouped_gemm_triton import grouped_mm_triton
 except ImportError:
-    chunk_gated_delta_rule_triton = None
+    chunk_gated_delta_rule_triton = grouped_mm_triton = None
 
 
 def _triton_handles(q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int, bounded_gate: bool) -> bool:
@@ -52,10 +53,19 @@ def gated_delta_rule(
     )
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """MoE grouped matmul (x [N, D] sorted by expert, w [E, D, F], offsets [E + 1] -> [N, F]): one Triton
+    launch for all experts on CUDA when it imports and the dtypes agree, else the per-expert reference."""
+    if grouped_mm_triton is not None and x.is_cuda and x.dtype == w.dtype:
+        return grouped_mm_triton(x, w, offsets)
+    return grouped_mm_reference(x, w, offsets)
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "gated_delta_rule",
     "gated_delta_rule_step",
+    "grouped_mm",
     "grouped_mm_reference",
     "recurrent_gated_delta_rule",
 ]

@@ -30,11 +30,6 @@ import kernels
 from model.config import MarathonConfig
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    fn = getattr(kernels, "grouped_mm", None) or kernels.grouped_mm_reference
-    return fn(x, w, offsets)
-
-
 class SwiGLU(nn.Module):
     """Dense MLP (first_k_dense layers) and the shared experts."""
 
@@ -169,9 +164,9 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         offsets = F.pad(torch.bincount(flat, minlength=E).cumsum(0), (1, 0))  # [E+1]
         token = order // k  # source token of each sorted row
-        h = grouped_mm(x[token], self.gate_up_proj, offsets)  # [N*k, 2F]
+        h = kernels.grouped_mm(x[token], self.gate_up_proj, offsets)  # [N*k, 2F]
         gate, up = h.chunk(2, dim=-1)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj, offsets)  # [N*k, D]
+        y = kernels.grouped_mm(F.silu(gate) * up, self.down_proj, offsets)  # [N*k, D]
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
