@@ -78,18 +78,25 @@ class Router(nn.Module):
             return s + self.expert_bias
         return s
 
-    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, experts [N, k] int64). `forced` [N, k] replays a recorded selection."""
-        s = self.scores(x)
+    def route(self, s: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores s [N, E] -> (weights [N, k] fp32, experts [N, k] int64): top-k over the balanced selection
+        scores (or `forced` [N, k], a recorded selection to replay), weights from the unbiased scores,
+        renormalised over the k and scaled. Pure: the vLLM plugin routes with it too."""
         if forced is None:
             with torch.no_grad():
                 idx = self.selection_scores(s).topk(self.top_k, dim=-1).indices
         else:
-            if forced.shape != (x.shape[0], self.top_k):
-                raise ValueError(f"routed_experts for this layer must be [{x.shape[0]}, {self.top_k}], got {list(forced.shape)}")
-            idx = forced.to(x.device, torch.long)
+            if forced.shape != (s.shape[0], self.top_k):
+                raise ValueError(f"routed_experts for this layer must be [{s.shape[0]}, {self.top_k}], got {list(forced.shape)}")
+            idx = forced.to(s.device, torch.long)
         w = s.gather(-1, idx)
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-20) * self.config.routed_scaling_factor
+        return w, idx
+
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, experts [N, k] int64); training forwards record the load."""
+        s = self.scores(x)
+        w, idx = self.route(s, forced)
         if self.training:
             self._stash(s.detach(), idx)
         return w, idx

@@ -45,11 +45,7 @@ class MarathonMoE(nn.Module):
     def route(self, hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool):
         """vLLM custom routing function -> (weights [N, k] fp32, expert ids [N, k] int32). Recomputes the
         logits from hidden_states in fp32 (as the HF router) rather than trusting gating_output's dtype."""
-        r = self.router
-        s = r.scores(hidden_states)  # [N, E] fp32
-        idx = r.selection_scores(s).topk(topk, dim=-1).indices
-        w = s.gather(-1, idx)
-        w = w / w.sum(-1, keepdim=True).clamp(min=1e-20) * r.config.routed_scaling_factor
+        w, idx = self.router.route(self.router.scores(hidden_states))  # [N, k] each, k == topk
         return w, idx.to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
