@@ -14,6 +14,17 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is ~10x faster than two on the shared, loaded CI cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     from marathon.tiny import write_tiny_qwen3

@@ -8,14 +8,7 @@ import torch
 
 from model import MarathonCache, MarathonConfig, MarathonForCausalLM
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is ~10x faster than two on the shared, loaded CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**overrides) -> MarathonForCausalLM:

@@ -9,13 +9,7 @@ import torch
 from model import MarathonCache, MarathonConfig, MarathonForCausalLM
 from model.memory import cache_bytes, design_cache_bytes
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("tokens", [3, 11, 40])

@@ -10,13 +10,7 @@ import torch.nn.functional as F
 from model import MarathonConfig, MarathonForCausalLM
 from model.moe import MoE, Router
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def skewed_batches(steps: int, n: int = 512, d: int = 32, seed: int = 0):
