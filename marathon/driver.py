@@ -119,15 +119,9 @@ def init_model(m: ModelSection, path: Path) -> Path:
         from marathon.tiny import write_tiny_qwen3
 
         return write_tiny_qwen3(path, seed=m.init_seed, vocab_size=m.vocab_size)
-    from model import MarathonConfig, MarathonForCausalLM
-    from model.tokenizer import save_tokenizer
+    from model.random_init import random_model
 
-    tok = save_tokenizer(path, m.vocab_size)
-    config = MarathonConfig.from_preset(
-        m.preset, vocab_size=m.vocab_size, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **m.overrides
-    )
-    torch.manual_seed(m.init_seed)
-    MarathonForCausalLM(config).save_pretrained(path)
+    random_model(path, m.preset, m.init_seed, m.vocab_size, **m.overrides).save_pretrained(path)
     return path
 
 

@@ -11,24 +11,13 @@ from pathlib import Path
 
 import torch
 
-from model.config import MarathonConfig
-from model.modeling import MarathonForCausalLM
-from model.tokenizer import save_tokenizer
+from model.random_init import random_model
 
 
 def write_tiny_marathon(path: str | Path, seed: int = 0, vocab_size: int = 512, **overrides) -> Path:
     """Writes the "tiny" preset (overridable, e.g. ``layer_layout="L"``) to ``path``; returns ``path``."""
     path = Path(path)
-    tok = save_tokenizer(path, vocab_size)
-    cfg = MarathonConfig.from_preset(
-        "tiny",
-        vocab_size=vocab_size,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        **overrides,
-    )
-    torch.manual_seed(seed)
-    model = MarathonForCausalLM(cfg)
+    model = random_model(path, "tiny", seed, vocab_size, **overrides)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
