@@ -16,12 +16,17 @@ tensor-core matmul: ``(q_t exp(G_t - G_r)) . (k_i exp(G_r - G_i))``. With the bo
 ``g >= -5`` the factors stay inside fp32's exponent range within a 16-token sub-tile (``<= exp(80)``),
 which is why the wrapper refuses decays below ``G_MIN_SAFE``.
 
-Forward kernels: gate + cumsum -> pair matrices -> triangular solve + WY -> sequential state pass ->
-output. Backward: sequential reverse state pass -> value-side grads -> state-side grads ->
-pair-matrix grads + reverse cumsum. Intermediates are kept from the forward (no recompute).
+Forward kernels: gate + cumsum -> pair matrices -> blocked triangular inverse + WY (also writes
+kd = k exp(G_L - G) and qg = scale q exp(G)) -> sequential state pass -> output. Backward: Aqk^T dO ->
+sequential reverse state pass -> value-side grads -> state-side grads -> dAkk -> pair-matrix grads with
+dg's reverse cumsum. Only the state is carried through the two sequential kernels; everything else is
+prepared by parallel kernels. Intermediates are kept from the forward (no recompute). The pair products
+take fp32 operands (tf32 for 16-bit inputs): the gate gradient is a difference of nearly equal terms and
+bf16 operands there cost a 10x larger error (benchmarks/kernels/NOTES.md). Plain pointer arithmetic
+throughout, so the kernels also run under Triton's CPU interpreter (tests/test_kernels_triton_interpret.py).
 
 Shapes (as in ``kernels/gated_delta.py``): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
-state [B, H, K, V] fp32. K and V must be 64, 128 or 256 (64 and 128 tested on the H200).
+state [B, H, K, V] fp32. K and V must be 64, 128 or 256 (64 and 128 tested).
 """
 
 from __future__ import annotations
@@ -37,214 +42,294 @@ G_MIN_SAFE = -5.5  # 15 steps * 5.5 = 82.5 < log(fp32 max) ~ 88.7
 
 
 # ----------------------------------------------------------------------------------------------------
+# tile helpers
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
+    """Pointers (or offsets, for an integer X) [R, C] to rows row0.. and columns col0.. of a row-major view
+    with row stride ``stride``, and the [R, 1] mask of the rows below ``n_rows``."""
+    o_r = row0 + tl.arange(0, R)
+    return X + o_r[:, None] * stride + col0 + tl.arange(0, C)[None, :], (o_r < n_rows)[:, None]
+
+
+@triton.jit
+def _load16(A, r0, c0, n, RS: tl.constexpr):
+    o = tl.arange(0, 16)
+    return tl.load(A + (r0 + o)[:, None] * RS + c0 + o[None, :], mask=((r0 + o) < n)[:, None], other=0.0)
+
+
+@triton.jit
+def _store16(X, b_x, r0, c0, n, RS: tl.constexpr):
+    o = tl.arange(0, 16)
+    tl.store(X + (r0 + o)[:, None] * RS + c0 + o[None, :], b_x, mask=((r0 + o) < n)[:, None])
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")  # exact fp32 (the inverse's small blocks)
+
+
+@triton.jit
+def _substitution_row(A, X, i, r0, n, RS: tl.constexpr):
+    """Row i of (I + A_bb)^-1's strictly lower part for the 16x16 diagonal block at rows/cols r0..r0+15,
+    given the rows before it in X: -A[i, :i] - A[i, :] X."""
+    o = tl.arange(0, 16)
+    b_a = -tl.load(A + (r0 + i) * RS + r0 + o, mask=(o < i) & (o * 0 + r0 + i < n), other=0.0)
+    b_a += tl.sum(b_a[:, None] * X, 0)
+    return tl.where((o == i)[:, None], b_a[None, :], X)
+
+
+@triton.jit
+def _diagonal_inverses16(A, n, RS: tl.constexpr):
+    """(I + A_bb)^-1 of the four 16x16 diagonal blocks of a strictly lower [BT, BT] tile at ``A`` (row stride
+    RS, ``n`` valid rows) by forward substitution, the four blocks in one loop so their rows overlap. 4 x [16, 16]."""
+    o = tl.arange(0, 16)
+    m_low = o[:, None] > o[None, :]
+    b_X0 = -tl.where(m_low, _load16(A, 0, 0, n, RS), 0.0)  # rows 0 and 1 of each block are final
+    b_X1 = -tl.where(m_low, _load16(A, 16, 16, n, RS), 0.0)
+    b_X2 = -tl.where(m_low, _load16(A, 32, 32, n, RS), 0.0)
+    b_X3 = -tl.where(m_low, _load16(A, 48, 48, n, RS), 0.0)
+    for i in range(2, 16):
+        b_X0 = _substitution_row(A, b_X0, i, 0, n, RS)
+        b_X1 = _substitution_row(A, b_X1, i, 16, n, RS)
+        b_X2 = _substitution_row(A, b_X2, i, 32, n, RS)
+        b_X3 = _substitution_row(A, b_X3, i, 48, n, RS)
+    b_I = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    return b_X0 + b_I, b_X1 + b_I, b_X2 + b_I, b_X3 + b_I
+
+
+# ----------------------------------------------------------------------------------------------------
 # forward kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _gate_cumsum_kernel(g, G, lower_bound, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                        GATE: tl.constexpr):
+def _gate_cumsum_kernel(g, G, lower_bound, T, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
     """G[chunk] = cumsum over the chunk of g (or of lower_bound * sigmoid(g) when GATE). [BT, K] fp32."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    base = (i_b * T * H + i_h) * K
-    p_g = tl.make_block_ptr(g + base, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)  # [BT, BK]
+    kb = (i_b * T * H + i_h) * K
+    p_x, m_t = _tile(kb, i_t * BT, T, H * K, 0, BT, K)
+    b_g = tl.load(g + p_x, mask=m_t, other=0.0).to(tl.float32)  # [BT, K]
     if GATE:
-        m_t = (i_t * BT + tl.arange(0, BT)) < T
-        b_g = tl.where(m_t[:, None], lower_bound * tl.sigmoid(b_g), 0.0)
-    b_G = tl.cumsum(b_g, axis=0)
-    p_G = tl.make_block_ptr(G + base, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_G, b_G, boundary_check=(0, 1))
+        b_g = tl.where(m_t, lower_bound * tl.sigmoid(b_g), 0.0)
+    tl.store(G + p_x, tl.cumsum(b_g, axis=0), mask=m_t)
 
 
 @triton.jit
-def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, H: tl.constexpr, K: tl.constexpr,
-                          BK: tl.constexpr, PREC: tl.constexpr):
+def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, H: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
     """Aqk [BT, BT] (incl. diagonal, times scale) and Akk [BT, BT] (strictly lower, times beta_i), one
-    16-row sub-tile at a time with reference row r = first row of the sub-tile."""
+    16-row sub-tile at a time with reference row r = first row of the sub-tile. fp32 operands (tf32 on
+    the tensor cores for 16-bit inputs): the decay factors span e^{+-75} inside a sub-tile."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
-    base = (i_b * T * H + i_h) * K
+    kb = (i_b * T * H + i_h) * K
+    ab = (i_b * T * H + i_h) * BT
     o_j = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    p_k = tl.make_block_ptr(k + base, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-    p_G = tl.make_block_ptr(G + base, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-    b_k = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)  # [BT, BK] all keys of the chunk
-    b_G = tl.load(p_G, boundary_check=(0, 1))
-    m_j = (t0 + o_j) < T
+    o_k = tl.arange(0, K)
+    p_x, m_j = _tile(kb, t0, T, H * K, 0, BT, K)  # offsets of all rows of the chunk
+    b_k = tl.load(k + p_x, mask=m_j, other=0.0).to(tl.float32)  # [BT, K] all keys of the chunk
+    b_G = tl.load(G + p_x, mask=m_j, other=0.0)
     for i_c in tl.static_range(BT // BC):
         r0 = i_c * BC
         if t0 + r0 < T:
-            b_Gr = tl.load(G + base + (t0 + r0) * H * K + o_k, mask=o_k < K, other=0.0)  # [BK]
-            p_qc = tl.make_block_ptr(q + base, (T, K), (H * K, 1), (t0 + r0, 0), (BC, BK), (1, 0))
-            p_kc = tl.make_block_ptr(k + base, (T, K), (H * K, 1), (t0 + r0, 0), (BC, BK), (1, 0))
-            p_Gc = tl.make_block_ptr(G + base, (T, K), (H * K, 1), (t0 + r0, 0), (BC, BK), (1, 0))
-            b_Gc = tl.load(p_Gc, boundary_check=(0, 1))  # [BC, BK]
-            m_c = (t0 + r0 + tl.arange(0, BC)) < T
-            f_c = tl.exp(tl.where(m_c[:, None], b_Gc - b_Gr[None, :], 0.0))  # <= 1
-            b_qc = tl.load(p_qc, boundary_check=(0, 1)).to(tl.float32) * f_c
-            b_kc = tl.load(p_kc, boundary_check=(0, 1)).to(tl.float32) * f_c
+            b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [K]
+            p_c, m_c = _tile(kb, t0 + r0, T, H * K, 0, BC, K)
+            f_c = tl.exp(tl.where(m_c, tl.load(G + p_c, mask=m_c, other=0.0) - b_Gr[None, :], 0.0))  # <= 1
+            b_qc = tl.load(q + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c  # [BC, K]
+            b_kc = tl.load(k + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c
             # keys j < r0 + BC, decayed to the reference row; later keys are masked (they would overflow)
-            m_col = m_j & (o_j < r0 + BC)
-            b_kj = tl.where(m_col[:, None], b_k * tl.exp(tl.where(m_col[:, None], b_Gr[None, :] - b_G, 0.0)), 0.0)
-            b_kj = b_kj.to(k.dtype.element_ty)
-            b_aqk = tl.dot(b_qc.to(k.dtype.element_ty), tl.trans(b_kj), input_precision=PREC)  # [BC, BT]
-            b_akk = tl.dot(b_kc.to(k.dtype.element_ty), tl.trans(b_kj), input_precision=PREC)
+            m_col = m_j & (o_j < r0 + BC)[:, None]
+            b_kj = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
+            b_aqk = tl.dot(b_qc, tl.trans(b_kj), input_precision=PREC)  # [BC, BT]
+            b_akk = tl.dot(b_kc, tl.trans(b_kj), input_precision=PREC)
             o_i = r0 + tl.arange(0, BC)
-            b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_c, other=0.0).to(tl.float32)
+            b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=(t0 + o_i) < T, other=0.0).to(tl.float32)
             b_aqk = tl.where(o_j[None, :] <= o_i[:, None], b_aqk * scale, 0.0)
             b_akk = tl.where(o_j[None, :] < o_i[:, None], b_akk * b_b[:, None], 0.0)
-            p_aqk = tl.make_block_ptr(Aqk + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0 + r0, 0), (BC, BT), (1, 0))
-            p_akk = tl.make_block_ptr(Akk + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0 + r0, 0), (BC, BT), (1, 0))
-            tl.store(p_aqk, b_aqk, boundary_check=(0, 1))
-            tl.store(p_akk, b_akk, boundary_check=(0, 1))
+            p_a, m_a = _tile(ab, t0 + r0, T, H * BT, 0, BC, BT)
+            tl.store(Aqk + p_a, b_aqk, mask=m_a)
+            tl.store(Akk + p_a, b_akk, mask=m_a)
 
 
 @triton.jit
-def _solve_wy_kernel(k, v, G, beta, Akk, Tinv, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Tinv = (I + Akk)^-1 by forward substitution (fp32); w = Tinv (beta k exp(G)) [BT, K];
-    u = Tinv (beta v) [BT, V]."""
+def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Tinv = (I + Akk)^-1 by blocks: four 16x16 diagonal inverses (forward substitution), the six blocks
+    below them by exact fp32 matmuls (X_ij = -X_ii sum_{j<=m<i} A_im X_mj). Then, for the later kernels,
+    w = Tinv (beta k exp(G)) [BT, K], u = Tinv (beta v) [BT, V], kd = k exp(G_L - G) and qg = scale q exp(G)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
+    n = T - t0  # valid rows in this chunk (may exceed BT)
+    RS: tl.constexpr = H * BT
+    A = Akk + (i_b * T * H + i_h) * BT + t0 * RS
+    X = Tinv + (i_b * T * H + i_h) * BT + t0 * RS
+    b_X00, b_X11, b_X22, b_X33 = _diagonal_inverses16(A, n, RS)
+    b_A10 = _load16(A, 16, 0, n, RS)
+    b_A20 = _load16(A, 32, 0, n, RS)
+    b_A21 = _load16(A, 32, 16, n, RS)
+    b_A30 = _load16(A, 48, 0, n, RS)
+    b_A31 = _load16(A, 48, 16, n, RS)
+    b_A32 = _load16(A, 48, 32, n, RS)
+    b_X10 = -_mm(b_X11, _mm(b_A10, b_X00))
+    b_X21 = -_mm(b_X22, _mm(b_A21, b_X11))
+    b_X32 = -_mm(b_X33, _mm(b_A32, b_X22))
+    b_X20 = -_mm(b_X22, _mm(b_A20, b_X00) + _mm(b_A21, b_X10))
+    b_X31 = -_mm(b_X33, _mm(b_A31, b_X11) + _mm(b_A32, b_X21))
+    b_X30 = -_mm(b_X33, _mm(b_A30, b_X00) + _mm(b_A31, b_X10) + _mm(b_A32, b_X20))
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(X, b_X00, 0, 0, n, RS)
+    _store16(X, b_0, 0, 16, n, RS)
+    _store16(X, b_0, 0, 32, n, RS)
+    _store16(X, b_0, 0, 48, n, RS)
+    _store16(X, b_X10, 16, 0, n, RS)
+    _store16(X, b_X11, 16, 16, n, RS)
+    _store16(X, b_0, 16, 32, n, RS)
+    _store16(X, b_0, 16, 48, n, RS)
+    _store16(X, b_X20, 32, 0, n, RS)
+    _store16(X, b_X21, 32, 16, n, RS)
+    _store16(X, b_X22, 32, 32, n, RS)
+    _store16(X, b_0, 32, 48, n, RS)
+    _store16(X, b_X30, 48, 0, n, RS)
+    _store16(X, b_X31, 48, 16, n, RS)
+    _store16(X, b_X32, 48, 32, n, RS)
+    _store16(X, b_X33, 48, 48, n, RS)
+    tl.debug_barrier()  # Tinv's blocks, written by all threads above, are read back whole below
     o_i = tl.arange(0, BT)
-    m_t = (t0 + o_i) < T
-    p_A = tl.make_block_ptr(Akk + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    b_A = tl.load(p_A, boundary_check=(0, 1))  # [BT, BT] strictly lower
-    b_T = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), 0)  # row i of Akk  [BT]
-        t_i = tl.sum(a_i[:, None] * b_T, 0)  # sum_j A[i, j] T[j, :]  (rows j < i are final)
-        b_T = tl.where(o_i[:, None] == i, b_T - t_i[None, :], b_T)
-    p_T = tl.make_block_ptr(Tinv + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    tl.store(p_T, b_T, boundary_check=(0, 1))
+    m_t = o_i < n
+    b_T = tl.load(X + o_i[:, None] * RS + o_i[None, :], mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_Tc = b_T.to(k.dtype.element_ty)
     kb = (i_b * T * H + i_h) * K
-    p_k = tl.make_block_ptr(k + kb, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-    p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-    b_x = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * tl.exp(tl.load(p_G, boundary_check=(0, 1)))
-    b_x = (b_x * b_b[:, None]).to(k.dtype.element_ty)
-    b_w = tl.dot(b_Tc, b_x, input_precision=PREC)  # [BT, BK]
-    p_w = tl.make_block_ptr(w + kb, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-    tl.store(p_w, b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    last = tl.minimum(n, BT) - 1
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_x = kb + (t0 + o_i)[:, None] * H * K + o_k[None, :]
+        b_G = tl.load(G + p_x, mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_GL = tl.load(G + kb + (t0 + last) * H * K + o_k)  # [BK]
+        b_k = tl.load(k + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_x = (b_k * tl.exp(b_G) * b_b[:, None]).to(k.dtype.element_ty)
+        tl.store(w + p_x, tl.dot(b_T, b_x, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
+        b_kd = b_k * tl.exp(tl.where(m_t[:, None], b_GL[None, :] - b_G, 0.0))
+        tl.store(kd + p_x, b_kd.to(kd.dtype.element_ty), mask=m_t[:, None])
+        b_qg = tl.load(q + p_x, mask=m_t[:, None], other=0.0).to(tl.float32) * tl.exp(b_G) * scale
+        tl.store(qg + p_x, b_qg.to(qg.dtype.element_ty), mask=m_t[:, None])
     vb = (i_b * T * H + i_h) * V
     for i_v in tl.static_range(V // BV):
-        p_v = tl.make_block_ptr(v + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_v = (tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_b[:, None]).to(v.dtype.element_ty)
-        b_u = tl.dot(b_Tc, b_v, input_precision=PREC)  # [BT, BV]
-        p_u = tl.make_block_ptr(u + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_u, b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
+        p_v = vb + (t0 + o_i)[:, None] * H * V + i_v * BV + tl.arange(0, BV)[None, :]
+        b_v = (tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32) * b_b[:, None]).to(v.dtype.element_ty)
+        tl.store(u + p_v, tl.dot(b_T, b_v, input_precision=PREC).to(u.dtype.element_ty), mask=m_t[:, None])
 
 
+# The two sequential kernels run one (batch, head, V-slice) per program, chunk after chunk: the slice width
+# trades programs (SMs in use) against work per step. Validated launch shape: 4 warps, 2 stages.
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (16, 32, 64)]
+
+
+@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
 @triton.jit
-def _state_fwd_kernel(k, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """Sequential pass over chunks for one (batch, head, V-slice): stores the chunk-start states
-    h [B, NT, H, K, V] and U = u - w S [B, T, H, V]."""
+    h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
+    carried between steps; every other operand was prepared by the parallel kernels."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
     o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
-        p_h0 = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        b_h = tl.load(p_h0).to(tl.float32)
+        b_h = tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :])
     for i_t in range(NT):
         t0 = i_t * BT
-        p_h = tl.make_block_ptr(h + ((i_b * NT + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        tl.store(p_h, b_h.to(h.dtype.element_ty))
-        p_w = tl.make_block_ptr(w + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        p_u = tl.make_block_ptr(u + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_U = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32)
-        b_U -= tl.dot(tl.load(p_w, boundary_check=(0, 1)), b_h.to(w.dtype.element_ty), input_precision=PREC)
-        p_U = tl.make_block_ptr(U + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_U, b_U.to(U.dtype.element_ty), boundary_check=(0, 1))
-        last = tl.minimum(t0 + BT, T) - 1
-        b_GL = tl.load(G + kb + last * H * K + o_k)  # [K]
-        p_k = tl.make_block_ptr(k + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
         m_t = (t0 + o_t) < T
-        b_kd = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * tl.exp(
-            tl.where(m_t[:, None], b_GL[None, :] - tl.load(p_G, boundary_check=(0, 1)), 0.0))  # [BT, K]
-        b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd.to(k.dtype.element_ty)), b_U.to(k.dtype.element_ty),
-                                                     input_precision=PREC)
+        p_h = h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_h, b_h.to(h.dtype.element_ty))
+        p_x = kb + (t0 + o_t)[:, None] * H * K + o_k[None, :]
+        p_y = vb + (t0 + o_t)[:, None] * H * V + o_v[None, :]
+        b_w = tl.load(w + p_x, mask=m_t[:, None], other=0.0)  # [BT, K]
+        b_kd = tl.load(kd + p_x, mask=m_t[:, None], other=0.0)
+        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_U = tl.load(u + p_y, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
+        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_t[:, None])
+        b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
     if STORE_HT:
-        p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        tl.store(p_ht, b_h)
+        tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_h)
 
 
 @triton.jit
-def _output_kernel(q, G, h, Aqk, U, o, scale, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _output_kernel(qg, h, Aqk, U, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BV: tl.constexpr, PREC: tl.constexpr):
-    """o = scale (q exp(G)) S + Aqk U   for one chunk and one V-slice."""
+    """o = qg S + Aqk U   (qg = scale q exp(G)) for one chunk and one V-slice."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
-    kb = (i_b * T * H + i_h) * K
-    vb = (i_b * T * H + i_h) * V
-    p_q = tl.make_block_ptr(q + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-    p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-    b_qg = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32) * tl.exp(tl.load(p_G, boundary_check=(0, 1))) * scale
-    p_h = tl.make_block_ptr(h + ((i_b * NT + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-    b_o = tl.dot(b_qg.to(q.dtype.element_ty), tl.load(p_h).to(q.dtype.element_ty), input_precision=PREC)
-    p_A = tl.make_block_ptr(Aqk + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    p_U = tl.make_block_ptr(U + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-    b_o += tl.dot(tl.load(p_A, boundary_check=(0, 1)).to(U.dtype.element_ty), tl.load(p_U, boundary_check=(0, 1)),
+    p_q, m_t = _tile(qg + (i_b * T * H + i_h) * K, t0, T, H * K, 0, BT, K)
+    p_h, _ = _tile(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V, 0, K, V, i_v * BV, K, BV)
+    b_o = tl.dot(tl.load(p_q, mask=m_t, other=0.0), tl.load(p_h).to(qg.dtype.element_ty), input_precision=PREC)
+    p_A, _ = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, T, H * BT, 0, BT, BT)
+    p_U, _ = _tile((i_b * T * H + i_h) * V, t0, T, H * V, i_v * BV, BT, BV)
+    b_o += tl.dot(tl.load(p_A, mask=m_t, other=0.0).to(U.dtype.element_ty), tl.load(U + p_U, mask=m_t, other=0.0),
                   input_precision=PREC)
-    p_o = tl.make_block_ptr(o + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-    tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(o + p_U, b_o.to(o.dtype.element_ty), mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------------
 # backward kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _state_bwd_kernel(q, k, G, w, Aqk, do, dh, dU, dht, dh0, scale, T, NT, H: tl.constexpr, K: tl.constexpr,
+def _bwd_intra_dU_kernel(Aqk, do, dU, T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """dU = Aqk^T dO: the part of dU that does not depend on the state gradient (fp32 [B, T, H, V])."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    p_A, m_t = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, T, H * BT, 0, BT, BT)
+    p_y, _ = _tile((i_b * T * H + i_h) * V, t0, T, H * V, i_v * BV, BT, BV)
+    b_dU = tl.dot(tl.trans(tl.load(p_A, mask=m_t, other=0.0).to(do.dtype.element_ty)),
+                  tl.load(do + p_y, mask=m_t, other=0.0), input_precision=PREC)
+    tl.store(dU + p_y, b_dU, mask=m_t)
+
+
+@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
+@triton.jit
+def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                       PREC: tl.constexpr):
     """Reverse sequential pass. dh[n] = dL/d(state at the end of chunk n) [B, NT, H, K, V];
-    dU = Aqk^T dO + Kd dS' [B, T, H, V];  dS = exp(G_L) dS' + Qg^T dO - w^T dU."""
+    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
     o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
-        p_dht = tl.make_block_ptr(dht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        b_dh = tl.load(p_dht).to(tl.float32)
+        b_dh = tl.load(dht + i_bh * K * V + o_k[:, None] * V + o_v[None, :])
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         t0 = i_t * BT
-        p_dh = tl.make_block_ptr(dh + ((i_b * NT + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        tl.store(p_dh, b_dh.to(dh.dtype.element_ty))
         m_t = (t0 + o_t) < T
-        last = tl.minimum(t0 + BT, T) - 1
-        b_GL = tl.load(G + kb + last * H * K + o_k)  # [K]
-        p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        b_G = tl.load(p_G, boundary_check=(0, 1))
-        p_k = tl.make_block_ptr(k + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        b_kd = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * tl.exp(tl.where(m_t[:, None], b_GL[None, :] - b_G, 0.0))
-        p_A = tl.make_block_ptr(Aqk + (i_b * T * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-        p_do = tl.make_block_ptr(do + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_dU = tl.dot(tl.trans(tl.load(p_A, boundary_check=(0, 1)).to(do.dtype.element_ty)), b_do, input_precision=PREC)
-        b_dU += tl.dot(b_kd.to(k.dtype.element_ty), b_dh.to(k.dtype.element_ty), input_precision=PREC)  # [BT, BV]
-        p_dU = tl.make_block_ptr(dU + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dU, b_dU.to(dU.dtype.element_ty), boundary_check=(0, 1))
-        p_q = tl.make_block_ptr(q + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        b_qg = (tl.load(p_q, boundary_check=(0, 1)).to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
-        p_w = tl.make_block_ptr(w + kb, (T, K), (H * K, 1), (t0, 0), (BT, K), (1, 0))
-        b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(q.dtype.element_ty), input_precision=PREC)
-        b_dh -= tl.dot(tl.trans(tl.load(p_w, boundary_check=(0, 1))), b_dU.to(w.dtype.element_ty), input_precision=PREC)
+        p_dh = dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_dh, b_dh.to(dh.dtype.element_ty))
+        p_x = kb + (t0 + o_t)[:, None] * H * K + o_k[None, :]
+        p_y = vb + (t0 + o_t)[:, None] * H * V + o_v[None, :]
+        b_kd = tl.load(kd + p_x, mask=m_t[:, None], other=0.0)  # [BT, K]
+        b_qg = tl.load(qg + p_x, mask=m_t[:, None], other=0.0)
+        b_w = tl.load(w + p_x, mask=m_t[:, None], other=0.0)
+        b_do = tl.load(do + p_y, mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_dU = tl.load(dU + p_y, mask=m_t[:, None], other=0.0)
+        b_dU += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)  # [BT, BV]
+        tl.store(dU + p_y, b_dU, mask=m_t[:, None])
+        b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
     if STORE_DH0:
-        p_dh0 = tl.make_block_ptr(dh0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-        tl.store(p_dh0, b_dh)
+        tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
 
 
 @triton.jit
@@ -260,31 +345,24 @@ def _bwd_value_kernel(v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, H: tl.co
     vb = (i_b * T * H + i_h) * V
     ab = (i_b * T * H + i_h) * BT
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p_T = tl.make_block_ptr(Tinv + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    b_Tt = tl.trans(tl.load(p_T, boundary_check=(0, 1))).to(v.dtype.element_ty)  # Tinv^T
+    p_A, m_a = _tile(ab, t0, T, H * BT, 0, BT, BT)
+    b_Tt = tl.trans(tl.load(Tinv + p_A, mask=m_a, other=0.0)).to(v.dtype.element_ty)  # Tinv^T
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for i_v in tl.static_range(V // BV):
-        p_v = tl.make_block_ptr(v + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_U = tl.make_block_ptr(U + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_dU = tl.make_block_ptr(dU + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_v = tl.load(p_v, boundary_check=(0, 1))
-        b_dU = tl.load(p_dU, boundary_check=(0, 1))
-        b_dA += tl.dot(tl.load(p_do, boundary_check=(0, 1)), tl.trans(tl.load(p_U, boundary_check=(0, 1))),
+        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        b_v = tl.load(v + p_y, mask=m_y, other=0.0)
+        b_dU = tl.load(dU + p_y, mask=m_y, other=0.0).to(v.dtype.element_ty)  # fp32 -> operand dtype
+        b_dA += tl.dot(tl.load(do + p_y, mask=m_y, other=0.0), tl.trans(tl.load(U + p_y, mask=m_y, other=0.0)),
                        input_precision=PREC)
         b_bv = (b_v.to(tl.float32) * b_b[:, None]).to(v.dtype.element_ty)
         b_dT += tl.dot(b_dU, tl.trans(b_bv), input_precision=PREC)
         b_du = tl.dot(b_Tt, b_dU, input_precision=PREC)  # [BT, BV] grad of beta v
         b_db += tl.sum(b_du * b_v.to(tl.float32), 1)
-        p_dv = tl.make_block_ptr(dv + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dv, (b_du * b_b[:, None]).to(dv.dtype.element_ty), boundary_check=(0, 1))
-    b_dA = tl.where(o_i[None, :] <= o_i[:, None], b_dA, 0.0)
-    p_dA = tl.make_block_ptr(dAqk + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    tl.store(p_dA, b_dA, boundary_check=(0, 1))
-    p_dT = tl.make_block_ptr(dT + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    tl.store(p_dT, b_dT, boundary_check=(0, 1))
+        tl.store(dv + p_y, (b_du * b_b[:, None]).to(dv.dtype.element_ty), mask=m_y)
+    tl.store(dAqk + p_A, tl.where(o_i[None, :] <= o_i[:, None], b_dA, 0.0), mask=m_a)
+    tl.store(dT + p_A, b_dT, mask=m_a)
     tl.store(dbeta + (i_b * T + t0 + o_i) * H + i_h, b_db, mask=m_t)
 
 
@@ -304,29 +382,26 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     ab = (i_b * T * H + i_h) * BT
-    hb = ((i_b * NT + i_t) * H + i_h) * K * V
+    hb = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in tl.static_range(V // BV):
-        p_h = tl.make_block_ptr(h + hb, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))  # S^T
-        p_dh = tl.make_block_ptr(dh + hb, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
-        p_U = tl.make_block_ptr(U + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_dU = tl.make_block_ptr(dU + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + vb, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_h = tl.load(p_h)  # [BV, BK]
-        b_dh = tl.load(p_dh)
-        b_dqg += tl.dot(tl.load(p_do, boundary_check=(0, 1)), b_h.to(do.dtype.element_ty), input_precision=PREC)
-        b_dw -= tl.dot(tl.load(p_dU, boundary_check=(0, 1)), b_h.to(dU.dtype.element_ty), input_precision=PREC)
-        b_dkd += tl.dot(tl.load(p_U, boundary_check=(0, 1)), b_dh.to(U.dtype.element_ty), input_precision=PREC)
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_s = hb + o_v[:, None] + o_k[None, :] * V  # S^T [BV, BK] of the [K, V] state
+        b_h = tl.load(h + p_s)
+        b_dh = tl.load(dh + p_s)
+        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        b_dqg += tl.dot(tl.load(do + p_y, mask=m_y, other=0.0), b_h.to(do.dtype.element_ty), input_precision=PREC)
+        b_dw -= tl.dot(tl.load(dU + p_y, mask=m_y, other=0.0).to(do.dtype.element_ty), b_h.to(do.dtype.element_ty),
+                       input_precision=PREC)
+        b_dkd += tl.dot(tl.load(U + p_y, mask=m_y, other=0.0), b_dh.to(U.dtype.element_ty), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
-    p_q = tl.make_block_ptr(q + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
-    b_k = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
-    b_G = tl.load(p_G, boundary_check=(0, 1))
+    p_x, m_x = _tile(kb, t0, T, H * K, i_k * BK, BT, BK)
+    b_q = tl.load(q + p_x, mask=m_x, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_x, mask=m_x, other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_x, mask=m_x, other=0.0)
     last = tl.minimum(t0 + BT, T) - 1
     b_GL = tl.load(G + kb + last * H * K + o_k)  # [BK]
     b_eG = tl.exp(b_G)
@@ -337,116 +412,119 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
     b_dGL = tl.sum(b_dk * b_k, 0) + tl.exp(b_GL) * b_hdh  # [BK] grad of G_L
     # WY input x = beta k exp(G)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p_T = tl.make_block_ptr(Tinv + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    b_T = tl.load(p_T, boundary_check=(0, 1))
+    p_A, m_a = _tile(ab, t0, T, H * BT, 0, BT, BT)
+    b_T = tl.load(Tinv + p_A, mask=m_a, other=0.0)
     b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)  # [BT, BK]
     b_ke = b_k * b_eG
     b_dk += b_b[:, None] * b_eG * b_dx
     b_dG += b_dx * b_ke * b_b[:, None]
     tl.atomic_add(dbeta + (i_b * T + t0 + o_i) * H + i_h, tl.sum(b_dx * b_ke, 1), mask=m_t)
     b_dT = tl.dot(b_dw, tl.trans(b_ke * b_b[:, None]), input_precision=PREC)  # [BT, BT]
-    p_dT = dT + ab + (t0 + o_i)[:, None] * H * BT + o_i[None, :]
-    tl.atomic_add(p_dT, b_dT, mask=m_t[:, None])
+    tl.atomic_add(dT + p_A, b_dT, mask=m_a)
     b_dG += tl.where((t0 + o_i)[:, None] == last, b_dGL[None, :], 0.0)
-    p_dq = tl.make_block_ptr(dq_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dk = tl.make_block_ptr(dk_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dG = tl.make_block_ptr(dG_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq, boundary_check=(0, 1))
-    tl.store(p_dk, b_dk, boundary_check=(0, 1))
-    tl.store(p_dG, b_dG, boundary_check=(0, 1))
+    tl.store(dq_p + p_x, b_dq, mask=m_x)
+    tl.store(dk_p + p_x, b_dk, mask=m_x)
+    tl.store(dG_p + p_x, b_dG, mask=m_x)
 
 
 @triton.jit
-def _bwd_pair_kernel(q, k, g, G, beta, Tinv, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta, scale, lower_bound,
-                     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Per chunk and K-slice: dAkk = -Tinv^T dT Tinv^T, then the pair terms of Aqk and Akk through one
-    reference row per 16-token sub-tile (rows side and columns side), then dg = reverse cumsum of dG."""
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _bwd_dAkk_kernel(Tinv, dT, T, H: tl.constexpr, PREC: tl.constexpr):
+    """dAkk = -Tinv^T dT Tinv^T (strictly lower), written over dT [B, T, H, BT] fp32, one chunk per program."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
     o_i = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
     m_t = (t0 + o_i) < T
+    p_A = (i_b * T * H + i_h) * BT + (t0 + o_i)[:, None] * H * BT + o_i[None, :]
+    b_T = tl.load(Tinv + p_A, mask=m_t[:, None], other=0.0)
+    b_d = tl.dot(tl.load(dT + p_A, mask=m_t[:, None], other=0.0), tl.trans(b_T), input_precision=PREC)
+    b_d = -tl.dot(tl.trans(b_T), b_d, input_precision=PREC)
+    tl.store(dT + p_A, tl.where(o_i[None, :] < o_i[:, None], b_d, 0.0), mask=m_t[:, None])
+
+
+@triton.autotune(configs=[triton.Config({"BK": bk}, num_warps=nw) for bk, nw in ((16, 2), (16, 4), (32, 4), (32, 8),
+                                                                         (64, 4), (64, 8))],
+                 key=["H", "K"], restore_value=["dbeta"])
+@triton.jit
+def _bwd_pair_kernel(q, k, g, G, beta, dAkk, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta, scale, lower_bound,
+                     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Per chunk and K-slice, the pair terms of Aqk and Akk, one 16-row sub-tile at a time (last first):
+    rows side (dq, d(beta k) of the sub-tile's rows, reference = its first row) and columns side (dk of
+    its keys, reference = its last valid row), each a [16, BT] x [BT, BK] product with fp32 operands (tf32
+    for 16-bit inputs: the gate gradient below is a difference of nearly equal terms). Adds the state-side
+    partials and finishes dg = reverse cumsum of dG over the chunk, carried from sub-tile to sub-tile."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    n = T - t0
+    last = tl.minimum(n, BT) - 1  # last valid row inside the chunk
+    o_i = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = o_i < n
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
-    last = tl.minimum(t0 + BT, T) - 1 - t0  # last valid row inside the chunk
-    p_T = tl.make_block_ptr(Tinv + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    p_dT = tl.make_block_ptr(dT + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    p_dA = tl.make_block_ptr(dAqk + ab, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    b_T = tl.load(p_T, boundary_check=(0, 1))
-    b_dAkk = tl.dot(tl.load(p_dT, boundary_check=(0, 1)), tl.trans(b_T), input_precision=PREC)
-    b_dAkk = -tl.dot(tl.trans(b_T), b_dAkk, input_precision=PREC)
-    b_dAkk = tl.where(o_i[None, :] < o_i[:, None], b_dAkk, 0.0).to(k.dtype.element_ty)  # [BT, BT]
-    b_dAqk = tl.load(p_dA, boundary_check=(0, 1)).to(k.dtype.element_ty)
-    p_q = tl.make_block_ptr(q + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_G = tl.make_block_ptr(G + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
-    b_k = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
-    b_G = tl.load(p_G, boundary_check=(0, 1))
+    p_all = kb + (t0 + o_i)[:, None] * H * K + o_k[None, :]
+    b_q = tl.load(q + p_all, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
+    b_k = tl.load(k + p_all, mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_all, mask=m_t[:, None], other=0.0)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_bk = b_b[:, None] * b_k
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dG = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dbk = tl.zeros([BT, BK], dtype=tl.float32)  # grad of (beta_i k_i) from Akk's row side
-    for i_c in tl.static_range(BT // BC):
-        r0 = i_c * BC
+    b_bk = b_k * b_b[:, None]
+    b_carry = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the later sub-tiles
+    for i_rev in tl.static_range(BT // BC):
+        r0 = (BT // BC - 1 - i_rev) * BC
         if r0 <= last:
-            m_c = (o_i >= r0) & (o_i < r0 + BC) & m_t  # rows of this sub-tile
-            # rows side, reference = first row of the sub-tile
-            b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)
+            o_r = r0 + o_c  # chunk rows of this sub-tile
+            m_r = o_r < n
+            p_c = kb + (t0 + o_r)[:, None] * H * K + o_k[None, :]
+            b_qc = tl.load(q + p_c, mask=m_r[:, None], other=0.0).to(tl.float32)  # [BC, BK]
+            b_kc = tl.load(k + p_c, mask=m_r[:, None], other=0.0).to(tl.float32)
+            b_Gc = tl.load(G + p_c, mask=m_r[:, None], other=0.0)
+            b_bc = tl.load(beta + (i_b * T + t0 + o_r) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+            b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [BK]
+            b_Gl = tl.load(G + kb + (t0 + tl.minimum(r0 + BC - 1, last)) * H * K + o_k)
+            # rows side: keys j < r0 + BC decayed to row r0 (later keys would overflow; their pairs are zero)
             m_j = (o_i < r0 + BC) & m_t
             b_kj = tl.where(m_j[:, None], b_k * tl.exp(tl.where(m_j[:, None], b_Gr[None, :] - b_G, 0.0)), 0.0)
-            b_kj = b_kj.to(k.dtype.element_ty)
-            f_r = tl.exp(tl.where(m_c[:, None], b_G - b_Gr[None, :], 0.0))
-            b_rq = tl.dot(b_dAqk, b_kj, input_precision=PREC)  # [BT, BK]
-            b_rk = tl.dot(b_dAkk, b_kj, input_precision=PREC)
-            b_dq += tl.where(m_c[:, None], f_r * b_rq, 0.0)
-            b_dbk += tl.where(m_c[:, None], f_r * b_rk, 0.0)
-            # columns side, reference = last valid row of the sub-tile
-            rl = tl.minimum(r0 + BC - 1, last)
-            b_Gl = tl.load(G + kb + (t0 + rl) * H * K + o_k)
-            m_r = (o_i >= r0) & m_t
-            f_l = tl.exp(tl.where(m_r[:, None], b_G - b_Gl[None, :], 0.0))
-            b_qr = tl.where(m_r[:, None], b_q * f_l, 0.0).to(k.dtype.element_ty)
-            b_kr = tl.where(m_r[:, None], b_bk * f_l, 0.0).to(k.dtype.element_ty)
-            b_c = scale * tl.dot(tl.trans(b_dAqk), b_qr, input_precision=PREC)
-            b_c += tl.dot(tl.trans(b_dAkk), b_kr, input_precision=PREC)  # [BT, BK]
-            f_c = tl.exp(tl.where(m_c[:, None], b_Gl[None, :] - b_G, 0.0))
-            b_dkc = tl.where(m_c[:, None], f_c * b_c, 0.0)
-            b_dk += b_dkc
-            b_dG -= b_dkc * b_k
-    b_dq = b_dq * scale
-    b_dG += b_dq * b_q + b_dbk * b_bk
-    b_dk += b_dbk * b_b[:, None]
-    tl.atomic_add(dbeta + (i_b * T + t0 + o_i) * H + i_h, tl.sum(b_dbk * b_k, 1), mask=m_t)
-    p_dqp = tl.make_block_ptr(dq_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dkp = tl.make_block_ptr(dk_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dGp = tl.make_block_ptr(dG_p + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    b_dq += tl.load(p_dqp, boundary_check=(0, 1))
-    b_dk += tl.load(p_dkp, boundary_check=(0, 1))
-    b_dG += tl.load(p_dGp, boundary_check=(0, 1))
-    b_dG = tl.where(m_t[:, None], b_dG, 0.0)
-    b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG  # reverse cumsum within the chunk
-    if GATE:
-        p_g = tl.make_block_ptr(g + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-        b_s = tl.sigmoid(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32))
-        b_dg = b_dg * lower_bound * b_s * (1.0 - b_s)
-    p_dq = tl.make_block_ptr(dq + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dk = tl.make_block_ptr(dk + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_dg = tl.make_block_ptr(dg + kb, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq.to(dq.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(p_dk, b_dk.to(dk.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(p_dg, b_dg.to(dg.dtype.element_ty), boundary_check=(0, 1))
+            p_rows = ab + (t0 + o_r)[:, None] * H * BT + o_i[None, :]
+            f_r = tl.exp(tl.where(m_r[:, None], b_Gc - b_Gr[None, :], 0.0))  # [BC, BK]
+            b_dqc = scale * f_r * tl.dot(tl.load(dAqk + p_rows, mask=m_r[:, None], other=0.0), b_kj,
+                                         input_precision=PREC)
+            b_dbkc = f_r * tl.dot(tl.load(dAkk + p_rows, mask=m_r[:, None], other=0.0), b_kj, input_precision=PREC)
+            # columns side: rows t >= r0 decayed to the sub-tile's last row l
+            m_s = (o_i >= r0) & m_t
+            f_l = tl.exp(tl.where(m_s[:, None], b_G - b_Gl[None, :], 0.0))  # [BT, BK]
+            b_qr = tl.where(m_s[:, None], b_q * f_l, 0.0)
+            b_kr = tl.where(m_s[:, None], b_bk * f_l, 0.0)
+            p_cols = ab + (t0 + o_i)[:, None] * H * BT + o_r[None, :]  # dA[t, i], i in the sub-tile  [BT, BC]
+            b_c = scale * tl.dot(tl.trans(tl.load(dAqk + p_cols, mask=m_t[:, None], other=0.0)), b_qr,
+                                 input_precision=PREC)
+            b_c += tl.dot(tl.trans(tl.load(dAkk + p_cols, mask=m_t[:, None], other=0.0)), b_kr, input_precision=PREC)
+            b_dkc = tl.exp(tl.where(m_r[:, None], b_Gl[None, :] - b_Gc, 0.0)) * b_c  # [BC, BK]
+            # the state-side partials, then the gate gradient
+            b_dG = b_dqc * b_qc + (b_dbkc * b_bc[:, None] - b_dkc) * b_kc + tl.load(dG_p + p_c, mask=m_r[:, None],
+                                                                                   other=0.0)
+            b_dG = tl.where(m_r[:, None], b_dG, 0.0)
+            b_dgc = b_carry[None, :] + tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
+            b_carry += tl.sum(b_dG, 0)
+            if GATE:
+                b_s = tl.sigmoid(tl.load(g + p_c, mask=m_r[:, None], other=0.0).to(tl.float32))
+                b_dgc = b_dgc * lower_bound * b_s * (1.0 - b_s)
+            tl.atomic_add(dbeta + (i_b * T + t0 + o_r) * H + i_h, tl.sum(b_dbkc * b_kc, 1), mask=m_r)
+            b_dqc += tl.load(dq_p + p_c, mask=m_r[:, None], other=0.0)
+            b_dkc += b_dbkc * b_bc[:, None] + tl.load(dk_p + p_c, mask=m_r[:, None], other=0.0)
+            tl.store(dq + p_c, b_dqc.to(dq.dtype.element_ty), mask=m_r[:, None])
+            tl.store(dk + p_c, b_dkc.to(dk.dtype.element_ty), mask=m_r[:, None])
+            tl.store(dg + p_c, b_dgc.to(dg.dtype.element_ty), mask=m_r[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------------
 def _prec(x: torch.Tensor) -> str:
-    """fp32 inputs get exact fp32 dots (the reference tolerance); bf16/fp16 run on the tensor cores."""
+    """fp32 inputs get exact fp32 dots (the reference tolerance). For 16-bit inputs, dots of 16-bit operands
+    run as bf16/fp16 on the tensor cores and dots of fp32 operands (the pair products) as tf32."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
@@ -457,29 +535,29 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound):
     prec = _prec(q)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
-    _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, H, K, K, GATE=lower_bound is not None)
+    _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, H, K, GATE=lower_bound is not None)
     Aqk = torch.empty(B, T, H, CHUNK, **f32)
     Akk = torch.empty(B, T, H, CHUNK, **f32)
-    _pair_matrices_kernel[(NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, H, K, K, PREC=prec, num_warps=4)
+    _pair_matrices_kernel[(NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, H, K, PREC=prec, num_warps=4)
     Tinv = torch.empty(B, T, H, CHUNK, **f32)
-    w = torch.empty_like(k)
+    w, kd, qg = torch.empty_like(k), torch.empty_like(k), torch.empty_like(q)
     u = torch.empty_like(v)
     BV = min(64, V)
-    _solve_wy_kernel[(NT, B * H)](k, v, G, beta, Akk, Tinv, w, u, T, H, K, V, K, BV, PREC=prec, num_warps=4)
+    _solve_wy_kernel[(NT, B * H)](q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H, K, V, min(64, K), BV,
+                                  PREC=prec, num_warps=4)
     del Akk
     h = torch.empty(B, NT, H, K, V, device=q.device, dtype=q.dtype)
     U = torch.empty_like(v)
     ht = torch.empty(B, H, K, V, **f32) if store_ht else None
-    BVs = min(32, V)
-    _state_fwd_kernel[(V // BVs, B * H)](k, G, w, u, h, U, h0, ht, T, NT, H, K, V, BVs, HAS_H0=h0 is not None,
-                                         STORE_HT=store_ht, PREC=prec, num_warps=4, num_stages=2)
+    _state_fwd_kernel[lambda meta: (V // meta["BV"], B * H)](kd, G, w, u, h, U, h0, ht, T, NT, H, K, V,
+                                                             HAS_H0=h0 is not None, STORE_HT=store_ht, PREC=prec)
     o = torch.empty_like(v)
-    _output_kernel[(V // BV, NT, B * H)](q, G, h, Aqk, U, o, scale, T, NT, H, K, V, BV, PREC=prec, num_warps=4)
-    return o, ht, (G, Aqk, Tinv, w, h, U)
+    _output_kernel[(V // BV, NT, B * H)](qg, h, Aqk, U, o, T, NT, H, K, V, BV, PREC=prec, num_warps=4)
+    return o, ht, (G, Aqk, Tinv, w, kd, qg, h, U)
 
 
 def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
-    G, Aqk, Tinv, w, h, U = saved
+    G, Aqk, Tinv, w, kd, qg, h, U = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, CHUNK)
@@ -487,17 +565,17 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dh = torch.empty_like(h)
-    dU = torch.empty_like(v)
+    dU = torch.empty(B, T, H, V, **f32)
     dh0 = torch.empty(B, H, K, V, **f32) if h0 is not None else None
-    BVs = min(32, V)
-    _state_bwd_kernel[(V // BVs, B * H)](q, k, G, w, Aqk, do, dh, dU, dht, dh0, scale, T, NT, H, K, V, BVs,
-                                         HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
-                                         num_warps=4, num_stages=2)
+    BV = min(64, V)
+    _bwd_intra_dU_kernel[(V // BV, NT, B * H)](Aqk, do, dU, T, H, V, BV, PREC=prec, num_warps=4)
+    _state_bwd_kernel[lambda meta: (V // meta["BV"], B * H)](qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H, K, V,
+                                                             HAS_DHT=dht is not None, STORE_DH0=h0 is not None,
+                                                             PREC=prec)
     dv = torch.empty_like(v)
     dAqk = torch.empty(B, T, H, CHUNK, **f32)
     dT = torch.empty(B, T, H, CHUNK, **f32)
     dbeta = torch.empty(B, T, H, **f32)
-    BV = min(64, V)
     _bwd_value_kernel[(NT, B * H)](v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, H, V, BV, PREC=prec,
                                    num_warps=4)
     BK = min(64, K)
@@ -509,9 +587,10 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
-    _bwd_pair_kernel[(K // BK, NT, B * H)](q, k, g, G, beta, Tinv, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta,
-                                          scale, lower_bound or 0.0, T, H, K, BK, GATE=lower_bound is not None,
-                                          PREC=prec, num_warps=4)
+    _bwd_dAkk_kernel[(NT, B * H)](Tinv, dT, T, H, PREC=prec, num_warps=4)  # dT becomes dAkk
+    _bwd_pair_kernel[lambda meta: (K // meta["BK"], NT, B * H)](
+        q, k, g, G, beta, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta, scale, lower_bound or 0.0, T, H, K,
+        GATE=lower_bound is not None, PREC=prec)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
 
 
