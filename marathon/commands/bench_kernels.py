@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--sdpa-max", type=int, default=65536, help="longest length timed with SDPA")
+    parser.add_argument("--torch-max", type=int, default=65536,
+                        help="longest length timed with the chunked PyTorch path (kernels/chunked_gated_delta.py)")
     parser.add_argument("--check-heads", type=int, default=2,
                         help="heads checked against the fp64 reference (heads are independent)")
     parser.add_argument("--experts", default="64,128,256", help="MoE expert counts for the grouped GEMM")
@@ -42,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-dims", default="2048,1024", help="D,F of one expert matmul")
     parser.add_argument("--check-budget-s", type=float, default=240.0,
                         help="seconds for the correctness checks (run after the timings); later lengths are skipped")
+    parser.add_argument("--checks-only", action="store_true",
+                        help="only the correctness checks (bf16, fp32) at --lengths, written to checks.json")
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
     parser.add_argument("--render-only", metavar="RESULTS_JSON",
                         help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
@@ -127,15 +131,17 @@ def _check_kda(B: int, T: int, heads: int, D: int) -> dict:
         finite = all(bool(torch.isfinite(a).all()) for a in ours)
         out[name] = {"max_rel_err": max(errs), "ok": finite and max(errs) < tol, "tol": tol,
                      "errs": dict(zip(["o", "ht", "dq", "dk", "dv", "dgate", "dbeta", "dh0"], errs))}
+        print(f"T={T} {name} {json.dumps(out[name])}", flush=True)
         del ours, ref
         torch.cuda.empty_cache()
     return out
 
 
-def _bench_kda(B, T, H, D, sdpa_max: int, have_fla: bool) -> list[dict]:
+def _bench_kda(B, T, H, D, sdpa_max: int, torch_max: int, have_fla: bool) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from kernels.chunked_gated_delta import chunk_gated_delta_rule
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
 
     q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, T, H, D, torch.bfloat16)]
@@ -155,6 +161,8 @@ def _bench_kda(B, T, H, D, sdpa_max: int, have_fla: bool) -> list[dict]:
 
         methods["fla_chunk_kda"] = lambda: chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, safe_gate=True,
                                                      lower_bound=-5.0)[0]
+    if T <= torch_max:  # the model's portable path: PyTorch ops over 64-token chunks, 16-token matmul tiles
+        methods["torch_chunked"] = lambda: chunk_gated_delta_rule(q, k, v, -5 * torch.sigmoid(raw.float()), beta)[0]
     for name, fwd in methods.items():
         try:
             with torch.no_grad():
@@ -309,7 +317,11 @@ def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
             ratio = f"{by[('fla_chunk_kda', r['T'])]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
         lines.append(f"| {r['T']} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['Mtok_s']:.2f} | "
                      f"{r['tflops']:.1f} | {100 * r['tflops'] / peak:.1f} | {r['peak_gib']:.2f} | {ratio} |")
+    vs_torch = [f"{T}: {by[('torch_chunked', T)]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.1f}x" for (m, T), r in by.items()
+                if m == "ours" and ("torch_chunked", T) in by]
     lines += ["", f"Crossover (ours faster than SDPA flash, fwd+bwd): {crossover}", "",
+              "Ours vs the chunked PyTorch path (`kernels/chunked_gated_delta.py`, same algorithm in PyTorch ops), "
+              f"fwd+bwd speedup: {', '.join(vs_torch) or 'not timed'}", "",
               "TFLOP/s count the chunked algorithm's matmuls (`kda_flops`) and causal attention's "
               "(`sdpa_flops`); only SDPA and the grouped GEMM are matmul-bound.", "",
               "## Correctness vs the PyTorch reference (fp64, chunked path, first "
@@ -386,6 +398,15 @@ def main(args: argparse.Namespace) -> int:
             "fla": fla_version, "B": B, "H": H, "D": D, "check_heads": args.check_heads,
             "command": "marathon bench kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                             if a not in ("bench", "kernels"))}
+    if args.checks_only:
+        checks, t_checks = {}, time.time()
+        for T in lengths:
+            if time.time() - t_checks > args.check_budget_s:
+                break
+            checks[T] = _check_kda(B, T, min(args.check_heads, H), D)
+            print(f"T={T} check {json.dumps(checks[T])} ({time.time() - t_checks:.0f}s)", flush=True)
+            (out / "checks.json").write_text(json.dumps({"meta": meta, "checks": checks}, indent=1))
+        return 0 if checks and all(r["ok"] for c in checks.values() for r in c.values()) else 1
     meta["ceilings"] = _ceilings()
     print(json.dumps(meta), flush=True)
     kda_rows, checks, moe_rows, decode = [], {}, [], None
@@ -396,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
 
     for T in lengths:  # timings first: they are the scarce part of a device lease
         t0 = time.time()
-        rows = _bench_kda(B, T, H, D, args.sdpa_max, not fla_version.startswith("not"))
+        rows = _bench_kda(B, T, H, D, args.sdpa_max, args.torch_max, not fla_version.startswith("not"))
         for r in rows:
             print(json.dumps(r), flush=True)
         kda_rows += rows

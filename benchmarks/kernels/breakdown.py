@@ -1,0 +1,185 @@
+"""Where the time goes: per-kernel CUDA times of our chunked KDA kernel and fla's ``chunk_kda``
+(torch.profiler), the launch configs our autotuned kernels chose, and the error of every output and
+gradient of ours (bf16 and fp32), fla's and the chunked PyTorch path (bf16) against an fp64 reference.
+
+Run on the GPU machine from the repo root (fla-core carried as a wheel, see run_all.sh):
+
+    python3 benchmarks/kernels/breakdown.py --tokens 65536 --check-tokens 4096 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernels import gated_delta_triton as gdt  # noqa: E402
+from marathon.commands.bench_kernels import _inputs, _rel  # noqa: E402
+
+NAMES = ["o", "ht", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
+
+
+V1 = None  # an earlier version of kernels/gated_delta_triton.py to compare against (--compare FILE)
+
+
+def methods(have_fla: bool) -> dict:
+    out = {"ours": lambda q, k, v, raw, beta, **kw: gdt.chunk_gated_delta_rule_triton(
+        q, k, v, raw, beta, gate_lower_bound=-5.0, **kw)}
+    if V1 is not None:
+        out["ours_before"] = lambda q, k, v, raw, beta, **kw: V1.chunk_gated_delta_rule_triton(
+            q, k, v, raw, beta, gate_lower_bound=-5.0, **kw)
+    if have_fla:
+        from fla.ops.kda import chunk_kda
+
+        out["fla"] = lambda q, k, v, raw, beta, **kw: chunk_kda(
+            q, k, v, raw, beta, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, **kw)
+    return out
+
+
+def kernel_table(fn, iters: int = 5) -> list[tuple[str, float, int]]:
+    """(kernel name, device us per iteration, launches per iteration), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            count[e.name] += 1
+    rows = [(n, t / iters, count[n] // iters) for n, t in total.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_methods(T: int, have_fla: bool) -> dict:
+    q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(1, T, 16, 128, torch.bfloat16)]
+    do = torch.randn_like(v)
+    res = {}
+    for name, fn in methods(have_fla).items():
+        def fwd():
+            with torch.no_grad():
+                fn(q, k, v, raw, beta)
+
+        def step():
+            o = fn(q, k, v, raw, beta)[0]
+            torch.autograd.grad(o, (q, k, v, raw, beta), do)
+
+        res[name] = {"fwd_ms": triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median"),
+                     "fwd_bwd_ms": triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")}
+        try:
+            res[name]["kernels"] = kernel_table(step)
+        except Exception as e:  # the profiler needs CUPTI; timings above stand without it
+            res[name]["kernels"] = f"profiler failed: {e!r}"
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "kernels"}), flush=True)
+        if isinstance(res[name]["kernels"], list):
+            for n, us, c in res[name]["kernels"]:
+                print(f"  {us:9.1f} us  x{c:<3d} {n[:110]}", flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
+def tuned_configs() -> dict:
+    """The launch configs our autotuned kernels picked (after a run)."""
+    return {name: str(getattr(gdt, name).best_config) for name in ("_state_fwd_kernel", "_state_bwd_kernel",
+                                                                   "_bwd_pair_kernel")
+            if getattr(getattr(gdt, name), "best_config", None) is not None}
+
+
+def accuracy(T: int, heads: int, have_fla: bool) -> dict:
+    """Norm-relative error of each output and gradient, bf16 inputs, against the chunked path in fp64 on
+    the same rounded inputs (fp32 initial state)."""
+    from kernels.chunked_gated_delta import chunk_gated_delta_rule
+
+    D = 128
+    x = _inputs(1, T, heads, D, torch.float32, seed=1)
+    h0 = torch.randn(1, heads, D, D, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(1, T, heads, D, device="cuda", generator=gen, dtype=torch.float64)
+    dht = torch.randn(1, heads, D, D, device="cuda", generator=gen, dtype=torch.float64)
+
+    def run(fn, inputs, dtype, fused):
+        q, k, v, raw, beta = [t.to(dtype).requires_grad_() for t in inputs]
+        s0 = (h0.double() if dtype == torch.float64 else h0).clone().requires_grad_()
+        gin = raw if fused else -5 * torch.sigmoid(raw)
+        o, ht = fn(q, k, v, gin, beta, initial_state=s0, output_final_state=True)
+        loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+        return [o.detach(), ht.detach(), *torch.autograd.grad(loss, (q, k, v, raw, beta, s0))]
+
+    x = [t.to(torch.bfloat16) for t in x]  # every method sees the same bf16-representable inputs
+    ref = run(chunk_gated_delta_rule, x, torch.float64, False)
+    res = {}
+    cands = dict(methods(have_fla))
+    cands["torch_chunked_bf16"] = None
+    cands["ours_fp32"] = cands["ours"]
+    for name in cands:
+        try:
+            if cands[name] is None:
+                out = run(chunk_gated_delta_rule, x, torch.bfloat16, False)
+            else:
+                out = run(cands[name], x, torch.float32 if name.endswith("fp32") else torch.bfloat16, True)
+            res[name] = {n: _rel(a, b) for n, a, b in zip(NAMES, out, ref)}
+        except Exception as e:
+            res[name] = {"error": repr(e)[:300]}
+        print(name, json.dumps(res[name]), flush=True)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--check-tokens", type=int, default=4096)
+    p.add_argument("--check-heads", type=int, default=16, help="fla autotunes per head count: keep it at 16")
+    p.add_argument("--skip", default="", help="comma list of: profile, accuracy")
+    p.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    p.add_argument("--compare", help="path of an earlier kernels/gated_delta_triton.py to time and check too")
+    p.add_argument("--out", default="benchmarks/kernels")
+    a = p.parse_args()
+    if a.compare:
+        import importlib.util
+
+        global V1
+        spec = importlib.util.spec_from_file_location("gated_delta_triton_before", a.compare)
+        V1 = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(V1)
+    try:
+        import fla  # noqa: F401
+
+        have_fla = not a.no_fla
+    except ImportError:
+        have_fla = False
+    skip = set(a.skip.split(","))
+    res = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "have_fla": have_fla}
+    t0 = time.time()
+    if "profile" not in skip:
+        res["profile"] = profile_methods(a.tokens, have_fla)
+        print(f"profile done {time.time() - t0:.0f}s", flush=True)
+        save(res, a.out)
+    if "accuracy" not in skip:
+        res["accuracy"] = accuracy(a.check_tokens, a.check_heads, have_fla)
+        print(f"accuracy done {time.time() - t0:.0f}s", flush=True)
+        save(res, a.out)
+    res["tuned"] = tuned_configs()
+    print("tuned", json.dumps(res["tuned"]), flush=True)
+    save(res, a.out)
+    return 0
+
+
+def save(res: dict, out: str) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "profile.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
