@@ -235,29 +235,26 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.c
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
-    o_t = tl.arange(0, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
+    o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
-        b_h = tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :])
+        b_h = tl.load(h0 + i_bh * K * V + o_s)
     for i_t in range(NT):
         t0 = i_t * BT
-        m_t = (t0 + o_t) < T
-        p_h = h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_h.to(h.dtype.element_ty))
-        p_x = kb + (t0 + o_t)[:, None] * H * K + o_k[None, :]
-        p_y = vb + (t0 + o_t)[:, None] * H * V + o_v[None, :]
-        b_w = tl.load(w + p_x, mask=m_t[:, None], other=0.0)  # [BT, K]
-        b_kd = tl.load(kd + p_x, mask=m_t[:, None], other=0.0)
+        tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
+        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
+        p_y, _ = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        b_w = tl.load(w + p_x, mask=m_t, other=0.0)  # [BT, K]
+        b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
         b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
-        b_U = tl.load(u + p_y, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_U = tl.load(u + p_y, mask=m_t, other=0.0).to(tl.float32)
         b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_t[:, None])
+        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_t)
         b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_h)
+        tl.store(ht + i_bh * K * V + o_s, b_h)
 
 
 @triton.jit
@@ -303,33 +300,30 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
-    o_t = tl.arange(0, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
+    o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
-        b_dh = tl.load(dht + i_bh * K * V + o_k[:, None] * V + o_v[None, :])
+        b_dh = tl.load(dht + i_bh * K * V + o_s)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         t0 = i_t * BT
-        m_t = (t0 + o_t) < T
-        p_dh = dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_dh, b_dh.to(dh.dtype.element_ty))
-        p_x = kb + (t0 + o_t)[:, None] * H * K + o_k[None, :]
-        p_y = vb + (t0 + o_t)[:, None] * H * V + o_v[None, :]
-        b_kd = tl.load(kd + p_x, mask=m_t[:, None], other=0.0)  # [BT, K]
-        b_qg = tl.load(qg + p_x, mask=m_t[:, None], other=0.0)
-        b_w = tl.load(w + p_x, mask=m_t[:, None], other=0.0)
-        b_do = tl.load(do + p_y, mask=m_t[:, None], other=0.0)  # [BT, BV]
+        tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
+        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
+        p_y, _ = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)  # [BT, K]
+        b_qg = tl.load(qg + p_x, mask=m_t, other=0.0)
+        b_w = tl.load(w + p_x, mask=m_t, other=0.0)
+        b_do = tl.load(do + p_y, mask=m_t, other=0.0)  # [BT, BV]
         b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
-        b_dU = tl.load(dU + p_y, mask=m_t[:, None], other=0.0)
+        b_dU = tl.load(dU + p_y, mask=m_t, other=0.0)
         b_dU += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(dU + p_y, b_dU, mask=m_t[:, None])
+        tl.store(dU + p_y, b_dU, mask=m_t)
         b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
     if STORE_DH0:
-        tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
+        tl.store(dh0 + i_bh * K * V + o_s, b_dh)
 
 
 @triton.jit
