@@ -22,7 +22,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import gated_delta_triton as gdt  # noqa: E402
-from marathon.commands.bench_kernels import _inputs, _rel  # noqa: E402
+from marathon.commands.bench_kernels import _inputs, _rel, kda_check_case, kda_outputs_and_grads  # noqa: E402
 
 NAMES = ["o", "ht", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
 
@@ -102,23 +102,9 @@ def accuracy(T: int, heads: int, have_fla: bool) -> dict:
     the same rounded inputs (fp32 initial state)."""
     from kernels.chunked_gated_delta import chunk_gated_delta_rule
 
-    D = 128
-    x = _inputs(1, T, heads, D, torch.float32, seed=1)
-    h0 = torch.randn(1, heads, D, D, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    do = torch.randn(1, T, heads, D, device="cuda", generator=gen, dtype=torch.float64)
-    dht = torch.randn(1, heads, D, D, device="cuda", generator=gen, dtype=torch.float64)
-
-    def run(fn, inputs, dtype, fused):
-        q, k, v, raw, beta = [t.to(dtype).requires_grad_() for t in inputs]
-        s0 = (h0.double() if dtype == torch.float64 else h0).clone().requires_grad_()
-        gin = raw if fused else -5 * torch.sigmoid(raw)
-        o, ht = fn(q, k, v, gin, beta, initial_state=s0, output_final_state=True)
-        loss = (o.double() * do).sum() + (ht.double() * dht).sum()
-        return [o.detach(), ht.detach(), *torch.autograd.grad(loss, (q, k, v, raw, beta, s0))]
-
-    x = [t.to(torch.bfloat16) for t in x]  # every method sees the same bf16-representable inputs
-    ref = run(chunk_gated_delta_rule, x, torch.float64, False)
+    case = kda_check_case(1, T, heads, 128)
+    x = [t.to(torch.bfloat16) for t in case[0]]  # every method sees the same bf16-representable inputs
+    ref = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.float64, False)
     res = {}
     cands = dict(methods(have_fla))
     cands["torch_chunked_bf16"] = None
@@ -126,9 +112,10 @@ def accuracy(T: int, heads: int, have_fla: bool) -> dict:
     for name in cands:
         try:
             if cands[name] is None:
-                out = run(chunk_gated_delta_rule, x, torch.bfloat16, False)
+                out = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.bfloat16, False)
             else:
-                out = run(cands[name], x, torch.float32 if name.endswith("fp32") else torch.bfloat16, True)
+                dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
+                out = kda_outputs_and_grads(cands[name], case, x, dtype, True)
             res[name] = {n: _rel(a, b) for n, a, b in zip(NAMES, out, ref)}
         except Exception as e:
             res[name] = {"error": repr(e)[:300]}

@@ -98,35 +98,51 @@ def _inputs(B, T, H, D, dtype, seed=0):
     return q, k, v, raw, beta
 
 
+def kda_check_case(B: int, T: int, heads: int, D: int) -> tuple:
+    """Inputs (q, k, v, gate logits, beta; fp32), initial state and the random cotangents of o and the final
+    state for a correctness check."""
+    import torch
+
+    x = _inputs(B, T, heads, D, torch.float32, seed=1)
+    h0 = torch.randn(B, heads, D, D, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(B, T, heads, D, device="cuda", generator=gen, dtype=torch.float64)
+    dht = torch.randn(B, heads, D, D, device="cuda", generator=gen, dtype=torch.float64)
+    return x, h0, do, dht
+
+
+def kda_outputs_and_grads(fn, case: tuple, inputs, dtype, fused: bool) -> list:
+    """o, final state and the gradients of q, k, v, gate logits, beta and initial state of ``fn`` (a
+    chunk_gated_delta_rule-like function) on ``inputs`` cast to ``dtype``. ``fused``: fn takes the raw gate
+    logits and applies -5 sigmoid itself; otherwise the log-decay -5 sigmoid(raw) is passed."""
+    import torch
+
+    _, h0, do, dht = case
+    q, k, v, raw, beta = [t.to(dtype).requires_grad_() for t in inputs]
+    s0 = (h0.double() if dtype == torch.float64 else h0).clone().requires_grad_()
+    o, ht = fn(q, k, v, raw if fused else -5 * torch.sigmoid(raw), beta, initial_state=s0, output_final_state=True)
+    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+    return [o.detach(), ht.detach(), *torch.autograd.grad(loss, (q, k, v, raw, beta, s0))]
+
+
 def _check_kda(B: int, T: int, heads: int, D: int) -> dict:
     """Ours (bf16 and fp32) vs the chunked PyTorch reference in fp64 on the first `heads` heads:
     o, final state and the gradients of q, k, v, gate logits, beta, initial state."""
+    import functools
+
     import torch
 
     from kernels.chunked_gated_delta import chunk_gated_delta_rule
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
 
     out = {}
-    x = _inputs(B, T, heads, D, torch.float32, seed=1)
-    h0 = torch.randn(B, heads, D, D, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    do = torch.randn(B, T, heads, D, device="cuda", generator=gen, dtype=torch.float64)
-    dht = torch.randn(B, heads, D, D, device="cuda", generator=gen, dtype=torch.float64)
-
-    def run(fn, inputs, dtype, fused):
-        q, k, v, raw, beta = [t.to(dtype).requires_grad_() for t in inputs]
-        s0 = (h0.double() if dtype == torch.float64 else h0).clone().requires_grad_()
-        if fused:
-            o, ht = fn(q, k, v, raw, beta, initial_state=s0, output_final_state=True, gate_lower_bound=-5.0)
-        else:
-            o, ht = fn(q, k, v, -5 * torch.sigmoid(raw), beta, initial_state=s0, output_final_state=True)
-        loss = (o.double() * do).sum() + (ht.double() * dht).sum()
-        grads = torch.autograd.grad(loss, (q, k, v, raw, beta, s0))
-        return [o.detach(), ht.detach(), *grads]
-
+    case = kda_check_case(B, T, heads, D)
+    x = case[0]
+    ours_fn = functools.partial(chunk_gated_delta_rule_triton, gate_lower_bound=-5.0)
     for name, dtype, tol in (("bf16", torch.bfloat16, BF16_TOL), ("fp32", torch.float32, FP32_TOL)):
-        ours = run(chunk_gated_delta_rule_triton, x, dtype, True)
-        ref = run(chunk_gated_delta_rule, [t.to(dtype).double() for t in x], torch.float64, False)
+        ours = kda_outputs_and_grads(ours_fn, case, x, dtype, True)
+        ref = kda_outputs_and_grads(chunk_gated_delta_rule, case, [t.to(dtype).double() for t in x], torch.float64,
+                                    False)
         errs = [_rel(a, b) for a, b in zip(ours, ref)]
         finite = all(bool(torch.isfinite(a).all()) for a in ours)
         out[name] = {"max_rel_err": max(errs), "ok": finite and max(errs) < tol, "tol": tol,
@@ -369,6 +385,19 @@ def _write_outputs(out: Path, meta, checks, kda_rows, decode, moe_rows) -> None:
     print((out / "results.md").read_text())
 
 
+def _run_checks(args: argparse.Namespace, lengths: list[int], checks: dict, save) -> None:
+    """Correctness checks at each length into ``checks`` (saved after each) until --check-budget-s is spent."""
+    t_checks = time.time()
+    for T in lengths:
+        if time.time() - t_checks > args.check_budget_s:
+            print(f"T={T} check not run: --check-budget-s {args.check_budget_s} spent", flush=True)
+            continue
+        t0 = time.time()
+        checks[T] = _check_kda(args.batch, T, min(args.check_heads, args.heads), args.head_dim)
+        print(f"T={T} check {json.dumps(checks[T])} ({time.time() - t0:.0f}s)", flush=True)
+        save()
+
+
 def main(args: argparse.Namespace) -> int:
     if args.render_only:
         data = json.loads(Path(args.render_only).read_text())
@@ -399,13 +428,9 @@ def main(args: argparse.Namespace) -> int:
             "command": "marathon bench kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                             if a not in ("bench", "kernels"))}
     if args.checks_only:
-        checks, t_checks = {}, time.time()
-        for T in lengths:
-            if time.time() - t_checks > args.check_budget_s:
-                break
-            checks[T] = _check_kda(B, T, min(args.check_heads, H), D)
-            print(f"T={T} check {json.dumps(checks[T])} ({time.time() - t_checks:.0f}s)", flush=True)
-            (out / "checks.json").write_text(json.dumps({"meta": meta, "checks": checks}, indent=1))
+        checks = {}
+        _run_checks(args, lengths, checks, lambda: (out / "checks.json").write_text(
+            json.dumps({"meta": meta, "checks": checks}, indent=1)))
         return 0 if checks and all(r["ok"] for c in checks.values() for r in c.values()) else 1
     meta["ceilings"] = _ceilings()
     print(json.dumps(meta), flush=True)
@@ -431,15 +456,7 @@ def main(args: argparse.Namespace) -> int:
         moe_rows.append(_bench_moe(E, args.moe_rows, Dm, Fm, meta["ceilings"]["bf16_matmul_tflops"]))
         print(json.dumps(moe_rows[-1]), flush=True)
     save()
-    t_checks = time.time()
-    for T in lengths:
-        if time.time() - t_checks > args.check_budget_s:
-            print(f"T={T} check not run: --check-budget-s {args.check_budget_s} spent", flush=True)
-            continue
-        t0 = time.time()
-        checks[T] = _check_kda(B, T, min(args.check_heads, H), D)
-        print(f"T={T} check {json.dumps(checks[T])} ({time.time() - t0:.0f}s)", flush=True)
-        save()
+    _run_checks(args, lengths, checks, save)
     _write_outputs(out, meta, checks, kda_rows, decode, moe_rows)
     ok = all(r["ok"] for c in checks.values() for r in c.values()) and decode["ok"] and all(r["ok"] for r in moe_rows)
     return 0 if ok else 1
