@@ -18,12 +18,13 @@ which is why the wrapper refuses decays below ``G_MIN_SAFE``.
 
 Forward kernels: gate + cumsum -> pair matrices -> blocked triangular inverse + WY (also writes
 kd = k exp(G_L - G) and qg = scale q exp(G)) -> sequential state pass -> output. Backward: Aqk^T dO ->
-sequential reverse state pass -> value-side grads -> state-side grads -> dAkk -> pair-matrix grads with
-dg's reverse cumsum. Only the state is carried through the two sequential kernels; everything else is
-prepared by parallel kernels. Intermediates are kept from the forward (no recompute). The pair products
-take fp32 operands (tf32 for 16-bit inputs): the gate gradient is a difference of nearly equal terms and
-bf16 operands there cost a 10x larger error (benchmarks/kernels/NOTES.md). Plain pointer arithmetic
-throughout, so the kernels also run under Triton's CPU interpreter (tests/test_kernels_triton_interpret.py).
+sequential reverse state pass -> value-side grads -> state-side grads -> dAkk -> pair-matrix grads (one
+program per 16-row sub-tile) -> dg, the chunk's reverse cumsum of dG. Only the state is carried through the
+two sequential kernels; everything else is prepared by parallel kernels. Intermediates are kept from the
+forward (no recompute). The pair products take fp32 operands (tf32 for 16-bit inputs): the gate gradient is
+a difference of nearly equal terms and bf16 operands there cost a 10x larger error
+(benchmarks/kernels/NOTES.md). Plain pointer arithmetic throughout, so the kernels also run under Triton's
+CPU interpreter (tests/test_kernels_triton_interpret.py).
 
 Shapes (as in ``kernels/gated_delta.py``): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 state [B, H, K, V] fp32. K and V must be 64, 128 or 256 (64 and 128 tested).
@@ -221,8 +222,14 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.
 
 
 # The two sequential kernels run one (batch, head, V-slice) per program, chunk after chunk: the slice width
-# trades programs (SMs in use) against work per step. Validated launch shape: 4 warps, 2 stages.
-STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=2) for bv in (16, 32, 64)]
+# trades programs (SMs in use) against work per step, and a third pipeline stage loads the next chunk's
+# operands earlier (-0.8 ms of 15.8 at 64K tokens, benchmarks/kernels/NOTES.md; BV = 64 with 3 stages needs
+# 256 KiB of shared memory in fp32). 4 warps: with 2 the state kernels spill heavily (and one such config
+# crashed on the H200).
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((16, 2), (32, 2), (64, 2),
+                                                                                    (16, 3), (32, 3))]
+PAIR_CONFIGS = [triton.Config({"BK": bk}, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4)
+                for ns in (2, 3)]
 
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
@@ -245,13 +252,13 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.c
         t0 = i_t * BT
         tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
-        p_y, _ = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
         b_w = tl.load(w + p_x, mask=m_t, other=0.0)  # [BT, K]
         b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
         b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
-        b_U = tl.load(u + p_y, mask=m_t, other=0.0).to(tl.float32)
+        b_U = tl.load(u + p_y, mask=m_y, other=0.0).to(tl.float32)
         b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_t)
+        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
         b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh * K * V + o_s, b_h)
@@ -311,15 +318,15 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr
         t0 = i_t * BT
         tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
-        p_y, _ = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
         b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)  # [BT, K]
         b_qg = tl.load(qg + p_x, mask=m_t, other=0.0)
         b_w = tl.load(w + p_x, mask=m_t, other=0.0)
-        b_do = tl.load(do + p_y, mask=m_t, other=0.0)  # [BT, BV]
+        b_do = tl.load(do + p_y, mask=m_y, other=0.0)  # [BT, BV]
         b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
-        b_dU = tl.load(dU + p_y, mask=m_t, other=0.0)
+        b_dU = tl.load(dU + p_y, mask=m_y, other=0.0)
         b_dU += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(dU + p_y, b_dU, mask=m_t)
+        tl.store(dU + p_y, b_dU, mask=m_y)
         b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
     if STORE_DH0:
@@ -436,81 +443,85 @@ def _bwd_dAkk_kernel(Tinv, dT, T, H: tl.constexpr, PREC: tl.constexpr):
     tl.store(dT + p_A, tl.where(o_i[None, :] < o_i[:, None], b_d, 0.0), mask=m_t[:, None])
 
 
-@triton.autotune(configs=[triton.Config({"BK": bk}, num_warps=nw) for bk, nw in ((16, 2), (16, 4), (32, 4), (32, 8),
-                                                                         (64, 4), (64, 8))],
-                 key=["H", "K"], restore_value=["dbeta"])
+@triton.autotune(configs=PAIR_CONFIGS, key=["H", "K"], restore_value=["dbeta", "dG"])
 @triton.jit
-def _bwd_pair_kernel(q, k, g, G, beta, dAkk, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta, scale, lower_bound,
-                     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Per chunk and K-slice, the pair terms of Aqk and Akk, one 16-row sub-tile at a time (last first):
-    rows side (dq, d(beta k) of the sub-tile's rows, reference = its first row) and columns side (dk of
-    its keys, reference = its last valid row), each a [16, BT] x [BT, BK] product with fp32 operands (tf32
-    for 16-bit inputs: the gate gradient below is a difference of nearly equal terms). Adds the state-side
-    partials and finishes dg = reverse cumsum of dG over the chunk, carried from sub-tile to sub-tile."""
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, scale, T, H: tl.constexpr,
+                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The pair terms of Aqk and Akk for one 16-row sub-tile i and one K-slice, as [16, 16] x [16, BK] products
+    with fp32 operands (tf32 for 16-bit inputs: the gate gradient is a difference of nearly equal terms):
+    rows side over the key blocks j <= i (dq, d(beta k) of the sub-tile's rows, reference = its first row),
+    columns side over the row blocks j >= i (dk of its keys, reference = its last valid row). Adds the
+    state-side partials and writes dq, dk and dG, the gate gradient before the chunk's reverse cumsum
+    (in place over the state-side partial dG)."""
+    i_kc, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_k, i_i = i_kc // NC, i_kc % NC
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
-    n = T - t0
-    last = tl.minimum(n, BT) - 1  # last valid row inside the chunk
-    o_i = tl.arange(0, BT)
+    n = T - t0  # valid rows from the chunk's start
+    r0 = i_i * BC  # the sub-tile's first row inside the chunk
+    if r0 >= n:
+        return
     o_c = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_t = o_i < n
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
-    p_all = kb + (t0 + o_i)[:, None] * H * K + o_k[None, :]
-    b_q = tl.load(q + p_all, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
-    b_k = tl.load(k + p_all, mask=m_t[:, None], other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_all, mask=m_t[:, None], other=0.0)
-    b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_bk = b_k * b_b[:, None]
-    b_carry = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the later sub-tiles
-    for i_rev in tl.static_range(BT // BC):
-        r0 = (BT // BC - 1 - i_rev) * BC
-        if r0 <= last:
-            o_r = r0 + o_c  # chunk rows of this sub-tile
-            m_r = o_r < n
-            p_c = kb + (t0 + o_r)[:, None] * H * K + o_k[None, :]
-            b_qc = tl.load(q + p_c, mask=m_r[:, None], other=0.0).to(tl.float32)  # [BC, BK]
-            b_kc = tl.load(k + p_c, mask=m_r[:, None], other=0.0).to(tl.float32)
-            b_Gc = tl.load(G + p_c, mask=m_r[:, None], other=0.0)
-            b_bc = tl.load(beta + (i_b * T + t0 + o_r) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
-            b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [BK]
-            b_Gl = tl.load(G + kb + (t0 + tl.minimum(r0 + BC - 1, last)) * H * K + o_k)
-            # rows side: keys j < r0 + BC decayed to row r0 (later keys would overflow; their pairs are zero)
-            m_j = (o_i < r0 + BC) & m_t
-            b_kj = tl.where(m_j[:, None], b_k * tl.exp(tl.where(m_j[:, None], b_Gr[None, :] - b_G, 0.0)), 0.0)
-            p_rows = ab + (t0 + o_r)[:, None] * H * BT + o_i[None, :]
-            f_r = tl.exp(tl.where(m_r[:, None], b_Gc - b_Gr[None, :], 0.0))  # [BC, BK]
-            b_dqc = scale * f_r * tl.dot(tl.load(dAqk + p_rows, mask=m_r[:, None], other=0.0), b_kj,
-                                         input_precision=PREC)
-            b_dbkc = f_r * tl.dot(tl.load(dAkk + p_rows, mask=m_r[:, None], other=0.0), b_kj, input_precision=PREC)
-            # columns side: rows t >= r0 decayed to the sub-tile's last row l
-            m_s = (o_i >= r0) & m_t
-            f_l = tl.exp(tl.where(m_s[:, None], b_G - b_Gl[None, :], 0.0))  # [BT, BK]
-            b_qr = tl.where(m_s[:, None], b_q * f_l, 0.0)
-            b_kr = tl.where(m_s[:, None], b_bk * f_l, 0.0)
-            p_cols = ab + (t0 + o_i)[:, None] * H * BT + o_r[None, :]  # dA[t, i], i in the sub-tile  [BT, BC]
-            b_c = scale * tl.dot(tl.trans(tl.load(dAqk + p_cols, mask=m_t[:, None], other=0.0)), b_qr,
-                                 input_precision=PREC)
-            b_c += tl.dot(tl.trans(tl.load(dAkk + p_cols, mask=m_t[:, None], other=0.0)), b_kr, input_precision=PREC)
-            b_dkc = tl.exp(tl.where(m_r[:, None], b_Gl[None, :] - b_Gc, 0.0)) * b_c  # [BC, BK]
-            # the state-side partials, then the gate gradient
-            b_dG = b_dqc * b_qc + (b_dbkc * b_bc[:, None] - b_dkc) * b_kc + tl.load(dG_p + p_c, mask=m_r[:, None],
-                                                                                   other=0.0)
-            b_dG = tl.where(m_r[:, None], b_dG, 0.0)
-            b_dgc = b_carry[None, :] + tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
-            b_carry += tl.sum(b_dG, 0)
-            if GATE:
-                b_s = tl.sigmoid(tl.load(g + p_c, mask=m_r[:, None], other=0.0).to(tl.float32))
-                b_dgc = b_dgc * lower_bound * b_s * (1.0 - b_s)
-            tl.atomic_add(dbeta + (i_b * T + t0 + o_r) * H + i_h, tl.sum(b_dbkc * b_kc, 1), mask=m_r)
-            b_dqc += tl.load(dq_p + p_c, mask=m_r[:, None], other=0.0)
-            b_dkc += b_dbkc * b_bc[:, None] + tl.load(dk_p + p_c, mask=m_r[:, None], other=0.0)
-            tl.store(dq + p_c, b_dqc.to(dq.dtype.element_ty), mask=m_r[:, None])
-            tl.store(dk + p_c, b_dkc.to(dk.dtype.element_ty), mask=m_r[:, None])
-            tl.store(dg + p_c, b_dgc.to(dg.dtype.element_ty), mask=m_r[:, None])
+    p_c, m_c = _tile(kb, t0 + r0, T, H * K, i_k * BK, BC, BK)  # this sub-tile's rows  [BC, BK]
+    b_Gc = tl.load(G + p_c, mask=m_c, other=0.0)
+    b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [BK]
+    b_Gl = tl.load(G + kb + (t0 + tl.minimum(r0 + BC, n) - 1) * H * K + o_k)
+    # rows side: keys of the blocks j <= i decayed to row r0 (exp(G_r0 - G_j) <= e^75 inside block i)
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dbk = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_j in range(0, i_i + 1):
+        p_j, m_j = _tile(kb, t0 + i_j * BC, T, H * K, i_k * BK, BC, BK)
+        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
+        b_kj *= tl.exp(tl.where(m_j, b_Gr[None, :] - tl.load(G + p_j, mask=m_j, other=0.0), 0.0))
+        p_a, _ = _tile(ab, t0 + r0, T, H * BT, i_j * BC, BC, BC)  # dA[rows of i, keys of j]  [BC, BC]
+        b_dq += tl.dot(tl.load(dAqk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
+        b_dbk += tl.dot(tl.load(dAkk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
+    f_r = tl.exp(tl.where(m_c, b_Gc - b_Gr[None, :], 0.0))  # <= 1
+    b_dq *= scale * f_r
+    b_dbk *= f_r
+    # columns side: rows of the blocks j >= i decayed to row l (exp(G_t - G_l) <= e^75 inside block i)
+    b_dkc = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_j in range(i_i, tl.minimum(NC, tl.cdiv(n, BC))):
+        r_j = t0 + i_j * BC
+        p_j, m_j = _tile(kb, r_j, T, H * K, i_k * BK, BC, BK)
+        f_j = tl.exp(tl.where(m_j, tl.load(G + p_j, mask=m_j, other=0.0) - b_Gl[None, :], 0.0))
+        b_bj = tl.load(beta + (i_b * T + r_j + o_c) * H + i_h, mask=(r_j + o_c) < T, other=0.0).to(tl.float32)
+        b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * scale
+        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * b_bj[:, None]
+        p_a, m_a = _tile(ab, r_j, T, H * BT, r0, BC, BC)  # dA[rows of j, keys of i]  [BC, BC]
+        b_dkc += tl.dot(tl.trans(tl.load(dAqk + p_a, mask=m_a, other=0.0)), b_qj, input_precision=PREC)
+        b_dkc += tl.dot(tl.trans(tl.load(dAkk + p_a, mask=m_a, other=0.0)), b_kj, input_precision=PREC)
+    b_dkc *= tl.exp(tl.where(m_c, b_Gl[None, :] - b_Gc, 0.0))  # <= 1
+    # the gate gradient (before the reverse cumsum), dbeta, and the state-side partials
+    b_qc = tl.load(q + p_c, mask=m_c, other=0.0).to(tl.float32)
+    b_kc = tl.load(k + p_c, mask=m_c, other=0.0).to(tl.float32)
+    b_bc = tl.load(beta + (i_b * T + t0 + r0 + o_c) * H + i_h, mask=(r0 + o_c) < n, other=0.0).to(tl.float32)
+    b_dG = b_dq * b_qc + (b_dbk * b_bc[:, None] - b_dkc) * b_kc + tl.load(dG + p_c, mask=m_c, other=0.0)
+    tl.store(dG + p_c, b_dG, mask=m_c)
+    tl.atomic_add(dbeta + (i_b * T + t0 + r0 + o_c) * H + i_h, tl.sum(b_dbk * b_kc, 1), mask=(r0 + o_c) < n)
+    tl.store(dq + p_c, (b_dq + tl.load(dq_p + p_c, mask=m_c, other=0.0)).to(dq.dtype.element_ty), mask=m_c)
+    b_dkc += b_dbk * b_bc[:, None] + tl.load(dk_p + p_c, mask=m_c, other=0.0)
+    tl.store(dk + p_c, b_dkc.to(dk.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _bwd_gate_kernel(g, dG, dg, lower_bound, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                     GATE: tl.constexpr):
+    """dg = reverse cumsum of dG over the chunk (times the gate's derivative lower_bound * s (1 - s) when GATE),
+    one chunk and K-slice per program; the backward of _gate_cumsum_kernel."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    p_x, m_t = _tile((i_b * T * H + i_h) * K, i_t * BT, T, H * K, i_k * BK, BT, BK)
+    b_dG = tl.load(dG + p_x, mask=m_t, other=0.0)  # [BT, BK]
+    b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
+    if GATE:
+        b_s = tl.sigmoid(tl.load(g + p_x, mask=m_t, other=0.0).to(tl.float32))
+        b_dg *= lower_bound * b_s * (1.0 - b_s)
+    tl.store(dg + p_x, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -582,9 +593,10 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     _bwd_dAkk_kernel[(NT, B * H)](Tinv, dT, T, H, PREC=prec, num_warps=4)  # dT becomes dAkk
-    _bwd_pair_kernel[lambda meta: (K // meta["BK"], NT, B * H)](
-        q, k, g, G, beta, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dg, dbeta, scale, lower_bound or 0.0, T, H, K,
-        GATE=lower_bound is not None, PREC=prec)
+    _bwd_pair_kernel[lambda meta: (K // meta["BK"] * (CHUNK // 16), NT, B * H)](
+        q, k, G, beta, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dbeta, scale, T, H, K, PREC=prec)
+    _bwd_gate_kernel[(K // BK, NT, B * H)](g, dG_p, dg, lower_bound or 0.0, T, H, K, BK,
+                                           GATE=lower_bound is not None, num_warps=4)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
 
 

@@ -72,6 +72,32 @@ def test_chunk_triton_matches_recurrent(dtype, tol, B, T, H, K, V, fused):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("i", range(8))
+def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
+    """The autotuner may pick any of its configs on another GPU or shape: each state-kernel config and each
+    pair-gradient config is checked on its own (config i of each list, cycling)."""
+    import kernels.gated_delta_triton as gdt
+    from kernels.gated_delta import recurrent_gated_delta_rule
+
+    kernels = {gdt._state_fwd_kernel: gdt.STATE_CONFIGS, gdt._state_bwd_kernel: gdt.STATE_CONFIGS,
+               gdt._bwd_pair_kernel: gdt.PAIR_CONFIGS}
+    assert max(len(c) for c in kernels.values()) <= 8  # every config is reached by some i
+    inputs = make_inputs(1, 300, 2, 128, 128, seed=i)
+    rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]
+    ref = run(recurrent_gated_delta_rule, rounded, torch.float64, "graph")
+    try:
+        for kern, configs in kernels.items():
+            kern.configs, kern.cache = [configs[i % len(configs)]], {}
+        out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
+    finally:
+        for kern, configs in kernels.items():
+            kern.configs, kern.cache = configs, {}
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
 def test_chunk_triton_refuses_unsafe_inputs():
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
 
