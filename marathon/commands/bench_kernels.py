@@ -313,7 +313,8 @@ def _plot(kda_rows: list[dict], moe_rows: list[dict], path: Path) -> None:
 
 def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
     peak = meta["ceilings"]["bf16_matmul_tflops"]
-    lines = [f"# Kernel benchmarks ({meta['device']})", "", f"Command: `{meta['command']}`", "",
+    command = f"Command: `{meta['command']}`" + (f"; checks: `{meta['check_command']}`" if "check_command" in meta else "")
+    lines = [f"# Kernel benchmarks ({meta['device']})", "", command, "",
              f"torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}; B={meta['B']}, H={meta['H']}, "
              f"K=V={meta['D']}, bf16 inputs, fp32 state; gate -5*sigmoid(raw) fused in-kernel for both "
              "linear-attention kernels. Times are medians of triton.testing.do_bench.", "",
@@ -343,13 +344,13 @@ def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
               "## Correctness vs the PyTorch reference (fp64, chunked path, first "
               f"{meta['check_heads']} heads; o, final state, all gradients)", "",
               "| tokens | dtype | max norm-rel error | tol | ok | worst tensor |", "|---|---|---|---|---|---|"]
-    unchecked = sorted({r["T"] for r in kda_rows} - set(checks))
-    if unchecked:
-        lines.append(f"| {', '.join(map(str, unchecked))} | - | not run in this call (--check-budget-s) | | | |")
     for T, c in checks.items():
         for dt, r in c.items():
             worst = max(r["errs"], key=r["errs"].get)
             lines.append(f"| {T} | {dt} | {r['max_rel_err']:.2e} | {r['tol']:.1e} | {r['ok']} | {worst} |")
+    unchecked = sorted({r["T"] for r in kda_rows} - set(checks))
+    if unchecked:
+        lines.append(f"| {', '.join(map(str, unchecked))} | - | not checked (--check-budget-s) | | | |")
     lines += ["", "## Decode step (fused, fp32 state, in place)", "",
               "| B | H | D | ours us | torch us | speedup | state GB/s | % copy bw | rel err |",
               "|---|---|---|---|---|---|---|---|---|",

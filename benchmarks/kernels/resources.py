@@ -1,0 +1,100 @@
+"""Compile every Triton kernel of kernels/gated_delta_triton.py for the H200 (sm_90) without a GPU and print
+registers, stack (spilled bytes) and shared memory per kernel and launch config: compile errors and spills
+show up here before any device time is spent.
+
+Needs a Triton with the NVIDIA backend (ptxas, cuobjdump), e.g. the device's version in a side folder:
+
+    pip install --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:. .venv/bin/python benchmarks/kernels/resources.py [bf16|fp32]
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kernels.gated_delta_triton as gdt  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+H, K, V = 16, 128, 128
+INTS = {"T": "i32", "NT": "i32"}
+
+
+def report(name: str, kernel, types: dict, constants: dict, num_warps: int = 4, num_stages: int = 2) -> bool:
+    """Compile one kernel specialization; print its resource use. ``types``: the non-constexpr arguments."""
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+    signature = {n: "constexpr" if n in constants else types[n] for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()})
+    try:
+        compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+        print(f"{name:34s} FAILED {type(e).__name__}: {str(e)[-1500:]}", flush=True)
+        return False
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    regs, stack = m.groups() if m else ("?", "?")
+    print(f"{name:34s} regs {regs:>4s}  stack {stack:>5s} B  shared {compiled.metadata.shared:>6d} B", flush=True)
+    return True
+
+
+def main(dtype: str) -> int:
+    prec = "tf32" if dtype == "bf16" else "ieee"
+    x, f32 = f"*{dtype}", "*fp32"
+
+    def ptrs(names: str, t: str = x) -> dict:
+        return {n: t for n in names.split()}
+
+    ok = [
+        report("gate_cumsum", gdt._gate_cumsum_kernel, {**ptrs("g"), **ptrs("G", f32), "lower_bound": "fp32", **INTS},
+               dict(H=H, K=K, GATE=True)),
+        report("pair_matrices", gdt._pair_matrices_kernel, {**ptrs("q k beta"), **ptrs("G Aqk Akk", f32),
+               "scale": "fp32", **INTS}, dict(H=H, K=K, PREC=prec)),
+        report("solve_wy", gdt._solve_wy_kernel, {**ptrs("q k v beta w u kd qg"), **ptrs("G Akk Tinv", f32),
+               "scale": "fp32", **INTS}, dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec)),
+        report("output", gdt._output_kernel, {**ptrs("qg h U o"), **ptrs("Aqk", f32), **INTS},
+               dict(H=H, K=K, V=V, BV=64, PREC=prec)),
+        report("bwd_intra_dU", gdt._bwd_intra_dU_kernel, {**ptrs("do"), **ptrs("Aqk dU", f32), **INTS},
+               dict(H=H, V=V, BV=64, PREC=prec)),
+        report("bwd_value", gdt._bwd_value_kernel, {**ptrs("v beta U do dv"), **ptrs("Tinv dU dAqk dT dbeta", f32),
+               **INTS}, dict(H=H, V=V, BV=64, PREC=prec)),
+        report("bwd_state_side", gdt._bwd_state_side_kernel, {**ptrs("q k beta h dh U do"),
+               **ptrs("G Tinv dU dq_p dk_p dG_p dT dbeta", f32), "scale": "fp32", **INTS},
+               dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec)),
+        report("bwd_dAkk", gdt._bwd_dAkk_kernel, {**ptrs("Tinv dT", f32), **INTS}, dict(H=H, PREC=prec)),
+        report("bwd_gate", gdt._bwd_gate_kernel, {**ptrs("g"), **ptrs("dG dg", f32), "lower_bound": "fp32", **INTS},
+               dict(H=H, K=K, BK=64, GATE=True)),
+        report("decode_step", gdt._decode_step_kernel, {**ptrs("q k v g beta state o new_state", f32),
+               "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)),
+    ]
+    for c in gdt.STATE_CONFIGS:
+        tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}"
+        ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
+                         **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=True, STORE_HT=True, PREC=prec),
+                         c.num_warps, c.num_stages))
+        ok.append(report(f"state_bwd {tag}", gdt._state_bwd_kernel, {**ptrs("qg kd w do dh"),
+                         **ptrs("G dU dht dh0", f32), **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_DHT=True,
+                         STORE_DH0=True, PREC=prec), c.num_warps, c.num_stages))
+    for c in gdt.PAIR_CONFIGS:
+        tag = f"BK{c.kwargs['BK']} w{c.num_warps} s{c.num_stages}"
+        ok.append(report(f"bwd_pair {tag}", gdt._bwd_pair_kernel, {**ptrs("q k beta dq dk"),
+                         **ptrs("G dAkk dAqk dq_p dk_p dG dbeta", f32), "scale": "fp32", **INTS},
+                         dict(H=H, K=K, BK=c.kwargs["BK"], PREC=prec), c.num_warps, c.num_stages))
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bf16"))
