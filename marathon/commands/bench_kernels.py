@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
     parser.add_argument("--render-only", metavar="RESULTS_JSON",
                         help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
+    parser.add_argument("--checks-json", metavar="CHECKS_JSON",
+                        help="with --render-only: take the checks from a --checks-only run's checks.json and "
+                             "write the merged results.json to --out")
 
 
 def _bench(fn, rep_ms: float = 200.0) -> float:
@@ -313,7 +316,9 @@ def _plot(kda_rows: list[dict], moe_rows: list[dict], path: Path) -> None:
 
 def _markdown(meta, checks, kda_rows, decode, moe_rows, crossover) -> str:
     peak = meta["ceilings"]["bf16_matmul_tflops"]
-    command = f"Command: `{meta['command']}`" + (f"; checks: `{meta['check_command']}`" if "check_command" in meta else "")
+    command = f"Command: `{meta['command']}`"
+    if "check_command" in meta:
+        command += f"; checks: `{meta['check_command']}`"
     lines = [f"# Kernel benchmarks ({meta['device']})", "", command, "",
              f"torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}; B={meta['B']}, H={meta['H']}, "
              f"K=V={meta['D']}, bf16 inputs, fp32 state; gate -5*sigmoid(raw) fused in-kernel for both "
@@ -402,9 +407,14 @@ def _run_checks(args: argparse.Namespace, lengths: list[int], checks: dict, save
 def main(args: argparse.Namespace) -> int:
     if args.render_only:
         data = json.loads(Path(args.render_only).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.checks_json:
+            checked = json.loads(Path(args.checks_json).read_text())
+            data["checks"], data["meta"]["check_command"] = checked["checks"], checked["meta"]["command"]
+            (out / "results.json").write_text(json.dumps(data, indent=1))
         checks = {int(k): v for k, v in data["checks"].items()}
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        _write_outputs(Path(args.out), data["meta"], checks, data["kda"], data["decode"], data["moe"])
+        _write_outputs(out, data["meta"], checks, data["kda"], data["decode"], data["moe"])
         return 0
     import torch
 
