@@ -17,10 +17,10 @@ except ImportError:
     chunk_gated_delta_rule_triton = grouped_mm_triton = None
 
 
-def _triton_handles(q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int, bounded_gate: bool) -> bool:
-    """The Triton kernel: CUDA tensors, the bounded gate (g >= -5), one chunk length, no packing, head dims
-    64, 128 or 256."""
-    if chunk_gated_delta_rule_triton is None or not q.is_cuda or cu_seqlens is not None or chunk_size != TRITON_CHUNK:
+def _triton_handles(q: torch.Tensor, v: torch.Tensor, chunk_size: int, bounded_gate: bool) -> bool:
+    """The Triton kernel: CUDA tensors, the bounded gate (g >= -5), one chunk length, head dims 64, 128 or
+    256; any length, packed rows included."""
+    if chunk_gated_delta_rule_triton is None or not q.is_cuda or chunk_size != TRITON_CHUNK:
         return False
     return bounded_gate and all(d in (64, 128, 256) for d in (q.shape[-1], v.shape[-1]))
 
@@ -37,16 +37,26 @@ def gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     bounded_gate: bool = True,
+    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a sequence (signature of ``chunk_gated_delta_rule``): the Triton kernel for
     CUDA tensors when it imports and handles the shapes, else the chunked PyTorch form. ``bounded_gate``
     says g came from the bounded gate (g >= -5). An unbounded (-softplus) gate takes the PyTorch path with
     exact diagonal tiles: its in-tile reciprocal decay overflows the factorised tile products (the Triton
-    kernel refuses g below -5.5 for the same reason)."""
-    if _triton_handles(q, v, cu_seqlens, chunk_size, bounded_gate):
+    kernel refuses g below -5.5 for the same reason).
+
+    With ``gate_lower_bound`` set, ``g`` holds the gate logits and the log-decay is
+    ``gate_lower_bound * sigmoid(g)``: the Triton kernel computes it inside its chunk cumsum (no [T, H, K]
+    fp32 decay tensor in memory), the PyTorch path computes it first."""
+    if gate_lower_bound is not None and not bounded_gate:
+        raise ValueError("gate_lower_bound is the bounded gate: bounded_gate must be True")
+    if _triton_handles(q, v, chunk_size, bounded_gate):
         return chunk_gated_delta_rule_triton(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            gate_lower_bound=gate_lower_bound, cu_seqlens=cu_seqlens,
         )
+    if gate_lower_bound is not None:
+        g = gate_lower_bound * torch.sigmoid(g.float())
     return chunk_gated_delta_rule(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
         exact_diagonal=not bounded_gate,

@@ -32,7 +32,10 @@ state [B, H, K, V] fp32. K and V must be 64, 128 or 256 (64 and 128 tested).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -40,6 +43,8 @@ CHUNK = 64  # chunk length
 BT = tl.constexpr(CHUNK)  # the same, as the kernels see it
 BC = tl.constexpr(16)  # sub-tile length: one reference row per 16 tokens keeps exp() finite
 G_MIN_SAFE = -5.5  # 15 steps * 5.5 = 82.5 < log(fp32 max) ~ 88.7
+FIRST = tl.constexpr(1)  # chunk_flags bits (packed rows): the chunk starts a sequence
+LAST = tl.constexpr(2)  # ... the chunk ends a sequence
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,11 +237,14 @@ STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, n
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
 @triton.jit
-def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                      VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Sequential pass over chunks for one (batch, head, V-slice): stores the chunk-start states
     h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
-    carried between steps; every other operand was prepared by the parallel kernels."""
+    carried between steps; every other operand was prepared by the parallel kernels.
+    VARLEN (B = 1, sequences chunk-aligned): chunk n belongs to sequence chunk_seq[n]; the state is reset to
+    that sequence's h0 (or zero) where chunk_flags[n] has FIRST and its final state is stored where LAST."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
@@ -244,10 +252,18 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.c
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_h = tl.zeros([K, BV], dtype=tl.float32)
-    if HAS_H0:
+    if HAS_H0 and not VARLEN:
         b_h = tl.load(h0 + i_bh * K * V + o_s)
     for i_t in range(NT):
         t0 = i_t * BT
+        if VARLEN:
+            f_t = tl.load(chunk_flags + i_t)
+            p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            if (f_t & FIRST) != 0:
+                if HAS_H0:
+                    b_h = tl.load(h0 + p_n)
+                else:
+                    b_h = tl.zeros([K, BV], dtype=tl.float32)
         tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -258,7 +274,10 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, T, NT, H: tl.constexpr, K: tl.c
         b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
         tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
         b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
-    if STORE_HT:
+        if VARLEN and STORE_HT:
+            if (f_t & LAST) != 0:
+                tl.store(ht + p_n, b_h)
+    if STORE_HT and not VARLEN:
         tl.store(ht + i_bh * K * V + o_s, b_h)
 
 
@@ -297,11 +316,13 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, H: tl.constexpr, V: tl.constexpr, BV: t
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
 @triton.jit
-def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                      PREC: tl.constexpr):
+def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags, T, NT, H: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
+                      STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Reverse sequential pass. dh[n] = dL/d(state at the end of chunk n) [B, NT, H, K, V];
-    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU."""
+    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
+    VARLEN: the state gradient restarts from the sequence's dht (or zero) at its LAST chunk and is stored as
+    its dh0 after its FIRST chunk."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
@@ -309,11 +330,19 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
-    if HAS_DHT:
+    if HAS_DHT and not VARLEN:
         b_dh = tl.load(dht + i_bh * K * V + o_s)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         t0 = i_t * BT
+        if VARLEN:
+            f_t = tl.load(chunk_flags + i_t)
+            p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            if (f_t & LAST) != 0:
+                if HAS_DHT:
+                    b_dh = tl.load(dht + p_n)
+                else:
+                    b_dh = tl.zeros([K, BV], dtype=tl.float32)
         tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -327,7 +356,10 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H: tl.constexpr
         tl.store(dU + p_y, b_dU, mask=m_y)
         b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
-    if STORE_DH0:
+        if VARLEN and STORE_DH0:
+            if (f_t & FIRST) != 0:
+                tl.store(dh0 + p_n, b_dh)
+    if STORE_DH0 and not VARLEN:
         tl.store(dh0 + i_bh * K * V + o_s, b_dh)
 
 
@@ -536,10 +568,14 @@ def _prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound):
+def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, chunks):
+    """All kernels see whole chunks: T is a multiple of CHUNK (the wrapper pads). ``chunks``: None, or
+    (chunk_seq, chunk_flags, N) for a packed row of N chunk-aligned sequences."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK)
+    NT = T // CHUNK
+    N = B if chunks is None else chunks[2]
+    chunk_seq, chunk_flags = (None, None) if chunks is None else chunks[:2]
     prec = _prec(q)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
@@ -556,29 +592,33 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound):
     del Akk
     h = torch.empty(B, NT, H, K, V, device=q.device, dtype=q.dtype)
     U = torch.empty_like(v)
-    ht = torch.empty(B, H, K, V, **f32) if store_ht else None
-    _state_fwd_kernel[lambda meta: (V // meta["BV"], B * H)](kd, G, w, u, h, U, h0, ht, T, NT, H, K, V,
-                                                             HAS_H0=h0 is not None, STORE_HT=store_ht, PREC=prec)
+    ht = torch.empty(N, H, K, V, **f32) if store_ht else None
+    _state_fwd_kernel[lambda meta: (V // meta["BV"], B * H)](kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T,
+                                                             NT, H, K, V, HAS_H0=h0 is not None, STORE_HT=store_ht,
+                                                             VARLEN=chunks is not None, PREC=prec)
     o = torch.empty_like(v)
     _output_kernel[(V // BV, NT, B * H)](qg, h, Aqk, U, o, T, NT, H, K, V, BV, PREC=prec, num_warps=4)
     return o, ht, (G, Aqk, Tinv, w, kd, qg, h, U)
 
 
-def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
+def _backward(q, k, v, g, beta, scale, h0, lower_bound, chunks, saved, do, dht):
     G, Aqk, Tinv, w, kd, qg, h, U = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK)
+    NT = T // CHUNK
+    N = B if chunks is None else chunks[2]
+    chunk_seq, chunk_flags = (None, None) if chunks is None else chunks[:2]
     prec = _prec(q)
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dh = torch.empty_like(h)
     dU = torch.empty(B, T, H, V, **f32)
-    dh0 = torch.empty(B, H, K, V, **f32) if h0 is not None else None
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = min(64, V)
     _bwd_intra_dU_kernel[(V // BV, NT, B * H)](Aqk, do, dU, T, H, V, BV, PREC=prec, num_warps=4)
-    _state_bwd_kernel[lambda meta: (V // meta["BV"], B * H)](qg, kd, G, w, do, dh, dU, dht, dh0, T, NT, H, K, V,
-                                                             HAS_DHT=dht is not None, STORE_DH0=h0 is not None,
+    _state_bwd_kernel[lambda meta: (V // meta["BV"], B * H)](qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq,
+                                                             chunk_flags, T, NT, H, K, V, HAS_DHT=dht is not None,
+                                                             STORE_DH0=h0 is not None, VARLEN=chunks is not None,
                                                              PREC=prec)
     dv = torch.empty_like(v)
     dAqk = torch.empty(B, T, H, CHUNK, **f32)
@@ -604,21 +644,51 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, saved, do, dht):
 
 
 class ChunkGatedDeltaRuleTriton(torch.autograd.Function):
+    """The kernels over whole chunks (T a multiple of CHUNK); ``chunks`` as in ``_forward``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, chunks):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.float().contiguous()
-        o, ht, saved = _forward(q, k, v, g, beta, scale, h0, output_final_state, lower_bound)
+        o, ht, saved = _forward(q, k, v, g, beta, scale, h0, output_final_state, lower_bound, chunks)
         ctx.save_for_backward(q, k, v, g, beta, h0, *saved)
-        ctx.scale, ctx.lower_bound = scale, lower_bound
+        ctx.scale, ctx.lower_bound, ctx.chunks = scale, lower_bound, chunks
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, ctx.scale, h0, ctx.lower_bound, saved, do,
-                                               None if dht is None else dht.float().contiguous())
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, ctx.scale, h0, ctx.lower_bound, ctx.chunks, saved,
+                                               do, None if dht is None else dht.float().contiguous())
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_layout(bounds: tuple[int, ...], device: torch.device):
+    """Chunk-aligned layout of a packed row with sequence bounds ``bounds`` (cu_seqlens): sequence i starts at
+    a multiple of CHUNK. Returns (token -> padded position [T] int64, or None when every sequence is already
+    aligned; padded length; chunk -> sequence [NT] int32; chunk flags [NT] int32 (FIRST | LAST))."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    chunks = [-(-n // CHUNK) for n in lengths]
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c * CHUNK)
+    dst = None
+    if any(n % CHUNK for n in lengths[:-1]):  # an unaligned last sequence is only padded at the end
+        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(chunks))
+    first = torch.tensor(starts[:-1]) // CHUNK
+    flags = torch.zeros(len(seq), dtype=torch.int32)
+    flags[first] |= FIRST.value
+    flags[first + torch.tensor(chunks) - 1] |= LAST.value
+    return dst, starts[-1], seq.to(device), flags.to(device)
+
+
+def _place(x: torch.Tensor, dst: torch.Tensor | None, length: int, fill: float = 0.0) -> torch.Tensor:
+    """x [B, T, ...] at positions ``dst`` (or the first T) of a ``fill``-ed [B, length, ...] (differentiable)."""
+    if dst is None:
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, length - x.shape[1]), value=fill) if length > x.shape[1] else x
+    return x.new_full((x.shape[0], length, *x.shape[2:]), fill).index_copy(1, dst, x)
 
 
 def chunk_gated_delta_rule_triton(
@@ -631,13 +701,21 @@ def chunk_gated_delta_rule_triton(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     gate_lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule on the GPU; differentiable in q, k, v, g, beta and initial_state.
 
     ``g`` is the per-channel log-decay (each entry >= ``G_MIN_SAFE``), or, with ``gate_lower_bound``
     set (e.g. -5), the raw gate logits: the kernel then computes ``g = gate_lower_bound * sigmoid(raw)``
     itself, fused with the chunk cumsum, and returns gradients w.r.t. the raw logits.
-    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
+    ``cu_seqlens`` (int [N + 1], B = 1) packs N sequences of any lengths along T: each state starts from its
+    row of ``initial_state`` [N, H, K, V] (or zero) and the final states have N rows.
+
+    Any length works: the kernels only see whole chunks. A sequence is placed at a chunk boundary and padded
+    to whole chunks with no-op tokens (k = v = q = 0, beta = 0, g = 0, which leave the state untouched), so a
+    packed row costs at most CHUNK - 1 extra tokens per sequence and no copy at all when every sequence
+    already fills whole chunks.
+    Returns (o [B, T, H, V] in v's dtype, final state [B or N, H, K, V] fp32 or None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -645,7 +723,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
     for name, d in (("K", K), ("V", V)):
-        # K = 32 gave non-finite bf16 gradients on the H200 (cause not found); 64 and 128 are tested there
+        # K = 32 gave non-finite bf16 gradients on the H200 (cause not found); 64, 128 and 256 are tested there
         if d < 64 or d > 256 or d & (d - 1):
             raise ValueError(f"head dim {name}={d} must be 64, 128 or 256")
     if gate_lower_bound is None:
@@ -654,9 +732,21 @@ def chunk_gated_delta_rule_triton(
                              "(use gate_lower_bound or the PyTorch chunked path for unbounded decay)")
     elif not G_MIN_SAFE <= gate_lower_bound < 0:
         raise ValueError(f"gate_lower_bound must be in [{G_MIN_SAFE}, 0), got {gate_lower_bound}")
+    bounds = (0, T) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    if cu_seqlens is not None and (B != 1 or bounds[0] != 0 or bounds[-1] != T
+                                   or any(b <= a for a, b in zip(bounds[:-1], bounds[1:]))):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {T} with B = 1, got B = {B}, {list(bounds)}")
+    rows = B if cu_seqlens is None else len(bounds) - 1
+    if initial_state is not None and initial_state.shape != (rows, H, K, V):
+        raise ValueError(f"initial_state must be {(rows, H, K, V)}, got {tuple(initial_state.shape)}")
     scale = K**-0.5 if scale is None else scale
-    return ChunkGatedDeltaRuleTriton.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                           gate_lower_bound)
+    dst, length, chunk_seq, chunk_flags = _packed_layout(bounds, q.device)
+    chunks = None if cu_seqlens is None else (chunk_seq, chunk_flags, rows)
+    g_pad = 0.0 if gate_lower_bound is None else float("-inf")  # raw logits: lower_bound * sigmoid(-inf) = 0
+    q, k, v, beta = (_place(x, dst, length) for x in (q, k, v, beta))
+    o, ht = ChunkGatedDeltaRuleTriton.apply(q, k, v, _place(g, dst, length, g_pad), beta, scale, initial_state,
+                                            output_final_state, gate_lower_bound, chunks)
+    return (o[:, :T] if dst is None else o.index_select(1, dst)), ht
 
 
 # ----------------------------------------------------------------------------------------------------

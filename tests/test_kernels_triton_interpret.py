@@ -23,7 +23,10 @@ import torch, torch.nn.functional as F, triton
 import kernels.gated_delta_triton as gdt
 from kernels.gated_delta import recurrent_gated_delta_rule
 
-B, T, H, K, V, BV, BK, fused = json.loads(sys.argv[1])
+B, T, H, K, V, BV, BK, fused, lengths = json.loads(sys.argv[1])
+cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+if cu is not None:
+    B, T = 1, int(cu[-1])
 # the interpreter cannot time configs: give each autotuned kernel the one config under test
 for kern in (gdt._state_fwd_kernel, gdt._state_bwd_kernel):
     kern.configs = [triton.Config({"BV": BV}, num_warps=4, num_stages=2)]
@@ -34,22 +37,29 @@ k = F.normalize(torch.randn(B, T, H, K), dim=-1)
 v = torch.randn(B, T, H, V)
 raw = 3 * torch.randn(B, T, H, K)  # strong gates: in-tile decays near the -5 bound
 beta = torch.sigmoid(torch.randn(B, T, H))
-h0 = torch.randn(B, H, K, V)
+h0 = torch.randn(B if cu is None else len(lengths), H, K, V)
+
+def per_sequence(q, k, v, g, beta, initial_state, output_final_state):  # the reference, sequence by sequence
+    outs = [recurrent_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                       initial_state=initial_state[i:i + 1], output_final_state=True)
+            for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs], 0)
 
 def run(fn, dtype, gate):
     xs = [t.to(dtype).requires_grad_() for t in (q, k, v, raw, beta)]
     s0 = h0.to(dtype).clone().requires_grad_()
+    kw = {} if cu is None or fn is per_sequence else {"cu_seqlens": cu}
     if gate == "fused":
-        o, ht = fn(*xs, initial_state=s0, output_final_state=True, gate_lower_bound=-5.0)
+        o, ht = fn(*xs, initial_state=s0, output_final_state=True, gate_lower_bound=-5.0, **kw)
     else:
-        o, ht = fn(*xs[:3], -5 * torch.sigmoid(xs[3]), xs[4], initial_state=s0, output_final_state=True)
+        o, ht = fn(*xs[:3], -5 * torch.sigmoid(xs[3]), xs[4], initial_state=s0, output_final_state=True, **kw)
     gen = torch.Generator().manual_seed(7)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
     dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
     loss = (o.double() * do).sum() + (ht.double() * dht).sum()
     return [o.detach(), ht.detach(), *torch.autograd.grad(loss, (*xs, s0))]
 
-ref = run(recurrent_gated_delta_rule, torch.float64, "graph")
+ref = run(recurrent_gated_delta_rule if cu is None else per_sequence, torch.float64, "graph")
 out = run(gdt.chunk_gated_delta_rule_triton, torch.float32, "fused" if fused else "graph")
 names = ["o", "final_state", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
 print(json.dumps({n: ((a.double() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("inf")
@@ -57,14 +67,18 @@ print(json.dumps({n: ((a.double() - b).norm() / b.norm()).item() if torch.isfini
 """
 
 
-@pytest.mark.parametrize("B, T, H, K, V, BV, BK, fused", [
-    (2, 150, 2, 64, 64, 32, 64, True),      # ragged last chunk, two sequences, K = V = 64
-    (1, 200, 2, 128, 128, 16, 32, False),   # K = V = 128, narrowest slices, gate applied outside
-    (1, 64, 1, 128, 128, 64, 16, True),     # exactly one chunk, narrowest K-slices
+@pytest.mark.parametrize("B, T, H, K, V, BV, BK, fused, lengths", [
+    (2, 150, 2, 64, 64, 32, 64, True, None),      # ragged last chunk (padded to whole chunks), two rows
+    (1, 200, 2, 128, 128, 16, 32, False, None),   # K = V = 128, narrowest slices, gate applied outside
+    (1, 64, 1, 128, 128, 64, 16, True, None),     # exactly one chunk, narrowest K-slices
+    (3, 1, 1, 64, 64, 64, 64, True, None),        # one token
+    (1, 0, 2, 64, 64, 32, 64, True, [1, 63, 65, 2, 128, 30]),  # packed row: ragged sequences, state resets
+    (1, 0, 1, 64, 64, 64, 32, False, [64, 128, 64]),  # packed row of aligned sequences (no re-layout)
 ])
-def test_triton_kernels_match_reference_in_interpreter(B, T, H, K, V, BV, BK, fused):
+def test_triton_kernels_match_reference_in_interpreter(B, T, H, K, V, BV, BK, fused, lengths):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHECK, json.dumps([B, T, H, K, V, BV, BK, fused])], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHECK, json.dumps([B, T, H, K, V, BV, BK, fused, lengths])],
+                          env=env,
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])

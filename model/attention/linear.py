@@ -55,15 +55,21 @@ class LinearAttention(nn.Module):
         dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> log-decay g [B, T, H, K] fp32 (<= 0)."""
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> the decay pre-activation f_b(f_a(x)) + dt_bias [B, T, H, K] fp32."""
         B, T, _ = x.shape
         raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(B, T, self.num_heads, self.head_k_dim)
-        A = self.A_log.float().exp()[:, None]  # [H, 1]
+        return raw.view(B, T, self.num_heads, self.head_k_dim)
+
+    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> exp(A_log) * raw [B, T, H, K] fp32, the bounded gate's argument (g = g_min * sigmoid(.))."""
+        return self.A_log.float().exp()[:, None] * self._raw(x)  # [H, 1] * [B, T, H, K]
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> log-decay g [B, T, H, K] fp32 (<= 0)."""
         if self.gate_fn == "bounded":
-            return self.g_min * torch.sigmoid(A * raw)
-        return -A * F.softplus(raw)
+            return self.g_min * torch.sigmoid(self.gate_logits(x))
+        return -self.A_log.float().exp()[:, None] * F.softplus(self._raw(x))
 
     def forward(self, x, cache=None, pos_in_seg=None, cu_seqlens=None, token_mask=None):
         """x [B, T, D] -> [B, T, D].
@@ -83,19 +89,26 @@ class LinearAttention(nn.Module):
         q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)  # [B, T, H, K]
         k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
         v = v.view(B, T, H, V)
-        g = self.decay(x)  # [B, T, H, K] fp32
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         if token_mask is not None:
-            g = g * token_mask[..., None, None]
             beta = beta * token_mask[..., None]
         state = cache.recurrent_state if cache is not None else None
         if T == 1 and state is not None:
+            g = self.decay(x)  # [B, 1, H, K] fp32
+            if token_mask is not None:
+                g = g * token_mask[..., None, None]
             o, state = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o.unsqueeze(1).to(x.dtype)  # [B, 1, H, V]
         else:
+            # the bounded gate goes into the kernel as logits (fused with its chunk cumsum); -inf logits give
+            # g = 0 for padded tokens
+            fused = self.gate_fn == "bounded" and self.g_min >= -5  # the Triton kernel takes g >= -5
+            g = self.gate_logits(x) if fused else self.decay(x)  # [B, T, H, K] fp32
+            if token_mask is not None:
+                g = g.masked_fill(token_mask[..., None, None] == 0, float("-inf") if fused else 0.0)
             o, state = kernels.gated_delta_rule(
                 q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
-                bounded_gate=self.gate_fn == "bounded" and self.g_min >= -5,  # the Triton kernel takes g >= -5
+                bounded_gate=fused, gate_lower_bound=self.g_min if fused else None,
             )  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         if cache is not None:
             cache.conv_states = {"q": conv_q, "k": conv_k, "v": conv_v}
