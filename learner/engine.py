@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from configs.schema import LearnerSection, LossSection
+from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
 from learner.packing import MicroBatch, Sample, make_micro_batches
 from marathon.dist import init_single_process_group
@@ -24,12 +25,24 @@ from marathon.dist import init_single_process_group
 STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl")
 
 
-def load_causal_lm(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An HF causal LM from a checkpoint dir; Marathon's own model type is registered by importing ``model``."""
+def load_causal_lm(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None) -> torch.nn.Module:
+    """An HF causal LM from a checkpoint dir, read in ``dtype`` (a bf16 learner never holds an fp32 copy of the
+    weights; its fp32 master weights are DeepSpeed's) and moved to ``device``. Marathon's own model type is
+    registered by importing ``model``."""
     import model  # noqa: F401  (registers "marathon" with the Auto classes)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    module = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return module if device is None else module.to(device)
+
+
+def learner_device() -> torch.device:
+    """This rank's accelerator (DeepSpeed's, so CUDA ranks use their LOCAL_RANK device), or the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.device_name(acc.current_device()))
 
 
 def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
@@ -50,19 +63,6 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
     }
 
 
-def token_logprobs(model: torch.nn.Module, mb: MicroBatch, forward_kwargs: set[str]) -> torch.Tensor:
-    """log pi(target_t | ids_<=t) at every position: [B, T] fp32."""
-    kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
-    if mb.cu_seqlens is not None and "cu_seqlens" in forward_kwargs:
-        kwargs["cu_seqlens"] = mb.cu_seqlens  # otherwise HF models detect the packing from position_ids
-    if mb.attention_mask is not None:
-        kwargs["attention_mask"] = mb.attention_mask
-    if mb.routed_experts is not None and "routed_experts" in forward_kwargs:
-        kwargs["routed_experts"] = mb.routed_experts
-    logits = model(**kwargs).logits.float()  # [B, T, V]
-    return torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-
-
 class Learner:
     def __init__(self, model_dir: str | Path, cfg: LearnerSection, seed: int = 0, zero_stage: int | None = None,
                  gradient_checkpointing: bool | None = None, micro_batch_tokens: int | None = None) -> None:
@@ -73,7 +73,8 @@ class Learner:
         self.cfg = cfg
         self.micro_batch_tokens = micro_batch_tokens or cfg.micro_batch_tokens
         zero_stage = cfg.zero_stage if zero_stage is None else zero_stage
-        module = load_causal_lm(model_dir)
+        self.device = learner_device()
+        module = load_causal_lm(model_dir, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32, self.device)
         if cfg.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.config.use_cache = False
@@ -96,15 +97,19 @@ class Learner:
         return self.engine.module
 
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        return make_micro_batches(samples, self.micro_batch_tokens, self.packed, self.pad_id)
+        """Packed (or padded) micro-batches of ``samples``, on this rank's device."""
+        return [mb.to(self.device) for mb in make_micro_batches(samples, self.micro_batch_tokens, self.packed,
+                                                                 self.pad_id)]
 
     @torch.no_grad()
-    def sequence_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> list[list[float]]:
-        """Per sample, logprob of each token given its prefix (index 0 gets 0.0), from the current weights
-        (or from ``model``, e.g. the KL reference)."""
+    def sequence_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None, temperature: float = 1.0,
+                          all_positions: bool = False) -> list[list[float]]:
+        """Per sample, logprob under pi / temperature of each token given its prefix (index 0 gets 0.0), from the
+        current weights (or from ``model``, e.g. the KL reference). Only the policy's own tokens (loss mask 1)
+        are scored unless ``all_positions``; the others get 0.0."""
         out: list[list[float]] = [[] for _ in samples]
         for mb in self.micro_batches(samples):
-            logp = token_logprobs(model or self.engine, mb, self.forward_kwargs)
+            logp = token_logprobs(model or self.engine, mb, self.forward_kwargs, temperature, all_positions)
             for i, row, start in mb.segments:
                 n = len(samples[i].token_ids)
                 out[i] = [0.0] + logp[row, start : start + n - 1].tolist()
@@ -120,14 +125,15 @@ class Learner:
         if self.cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
 
-    def _update(self, mbs: list[MicroBatch], loss_fn) -> dict[str, float]:
-        """One optimizer step over all micro-batches; loss_fn(mb, logp) -> (loss_sum, stats) summed over tokens."""
+    def _update(self, mbs: list[MicroBatch], loss_fn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over all micro-batches; loss_fn(mb, logp) -> (loss_sum, stats) summed over tokens;
+        logp is of pi / temperature."""
         total = sum(mb.num_loss_tokens for mb in mbs)
         self.engine.set_train_batch_size(len(mbs))  # gradient accumulation over exactly these micro-batches
         sums: dict[str, float] = {}
         grad_norm = None
         for k, mb in enumerate(mbs):
-            logp = token_logprobs(self.engine, mb, self.forward_kwargs)
+            logp = token_logprobs(self.engine, mb, self.forward_kwargs, temperature)
             loss_sum, stats = loss_fn(mb, logp)
             # DeepSpeed divides by the accumulation count; the result is the token mean of the whole update.
             self.engine.backward(loss_sum * len(mbs) / max(total, 1))
@@ -142,14 +148,17 @@ class Learner:
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return sums
 
-    def train_rl(self, samples: list[Sample], lr: float | None = None) -> dict[str, float]:
-        """``updates_per_step`` optimizer steps over ``samples`` (minibatches i::U); returns token-mean stats."""
+    def train_rl(self, samples: list[Sample], lr: float | None = None, temperature: float = 1.0) -> dict[str, float]:
+        """``updates_per_step`` optimizer steps over ``samples`` (minibatches i::U); returns token-mean stats.
+        ``temperature``: the rollout's sampling temperature; every logprob (pi, pi_old, reference) is of pi / T,
+        the distribution the rollout logprobs are of."""
         if lr is not None:
             self.set_lr(lr)
         loss_cfg: LossSection = self.cfg.loss
         U = min(self.cfg.updates_per_step, len(samples))
-        old = self.sequence_logprobs(samples) if U > 1 else None  # pi_old; with one update it equals pi (detached)
-        ref = self.sequence_logprobs(samples, self.reference) if self.reference is not None else None
+        # pi_old; with one update it equals pi (detached)
+        old = self.sequence_logprobs(samples, temperature=temperature) if U > 1 else None
+        ref = self.sequence_logprobs(samples, self.reference, temperature) if self.reference is not None else None
         totals: dict[str, float] = {}
         for u in range(U):
             idx = list(range(u, len(samples), U))
@@ -161,7 +170,7 @@ class Learner:
                 out = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.loss_mask, loss_cfg, ref_lp)
                 return out.loss_sum, out.stats
 
-            for k, v in self._update(mbs, loss_fn).items():
+            for k, v in self._update(mbs, loss_fn, temperature).items():
                 totals[k] = totals.get(k, 0.0) + v
         return self._summarise(totals, U)
 

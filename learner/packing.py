@@ -7,7 +7,7 @@ segment predicts nothing (mask 0), so no loss ever crosses a segment boundary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -39,6 +39,11 @@ class MicroBatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (the learner's engine device)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()})
 
 
 def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:

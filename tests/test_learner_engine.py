@@ -46,9 +46,9 @@ def learner(tiny_qwen3_dir):
 def test_packed_and_padded_logprobs_match_unpacked(learner, tiny_qwen3_dir):
     samples = _samples()
     assert not learner.packed  # Qwen3 has no varlen forward: padded by default; packing still works through
-    padded = learner.sequence_logprobs(samples)  # position_ids (HF detects the segments)
+    padded = learner.sequence_logprobs(samples, all_positions=True)  # position_ids (HF detects the segments)
     learner.packed = True
-    packed = learner.sequence_logprobs(samples)
+    packed = learner.sequence_logprobs(samples, all_positions=True)
     learner.packed = False
     model = load_causal_lm(tiny_qwen3_dir).eval()
     for s, a, b in zip(samples, packed, padded):
@@ -85,3 +85,23 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(learner, tmp_path):
     s2 = learner.train_sft(samples)  # same optimizer state -> the identical step
     assert s2["loss"] == pytest.approx(s1["loss"], abs=0) and s2["grad_norm"] == pytest.approx(s1["grad_norm"], abs=0)
     assert all(torch.equal(w1[k], v) for k, v in learner.get_weights().items())
+
+
+@pytest.mark.vllm
+def test_logprobs_at_the_rollout_temperature_equal_the_rollouts(tiny_qwen3_dir, ray_local, rollout_worker):
+    """vLLM samples from softmax(logits / T) and reports those logprobs; the learner must score the same."""
+    from rollout.worker import GenRequest
+
+    fresh = Learner(tiny_qwen3_dir, LearnerSection(micro_batch_tokens=256), seed=0)
+    prompts = [[1, 462, 279, 430, 205], [5, 17, 42, 99, 7, 8]]
+    reqs = [GenRequest(f"t{i}", p, max_new_tokens=16, temperature=0.7, seed=i) for i, p in enumerate(prompts)]
+    results = ray_local.get(rollout_worker.generate.remote(reqs))
+    samples = [Sample(p + r.token_ids, [0] * len(p) + [1] * len(r.token_ids), [0.0] * len(p) + r.logprobs)
+               for p, r in zip(prompts, results)]
+    at_t = fresh.sequence_logprobs(samples, temperature=0.7)
+    at_1 = fresh.sequence_logprobs(samples)
+    for s, lp, lp1 in zip(samples, at_t, at_1):
+        served = torch.tensor(s.logprobs[-len(lp) + 1:])[torch.tensor(s.loss_mask[1:]) == 1]
+        ours = torch.tensor(lp[1:])[torch.tensor(s.loss_mask[1:]) == 1]
+        assert (ours - served).abs().max() < 1e-4  # fp32 both sides
+        assert (torch.tensor(lp1[1:])[torch.tensor(s.loss_mask[1:]) == 1] - served).abs().max() > 1e-2  # T matters
