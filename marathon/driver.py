@@ -391,7 +391,7 @@ class Trainer:
         stats: dict[str, float] = {}
         t2 = t3 = time.perf_counter()
         if samples:
-            stats = ray.get(self.learner.train_rl.remote(samples, cfg.learner.optimizer.lr))
+            stats = ray.get(self.learner.train_rl.remote(samples, cfg.learner.optimizer.lr, cfg.rollout.temperature))
             t2 = time.perf_counter()
             state.version += 1
             self._sync(state)
