@@ -7,6 +7,7 @@ import torch
 
 from kernels.chunked_gated_delta import chunk_gated_delta_rule
 from kernels.gated_delta import gated_delta_rule_step, recurrent_gated_delta_rule
+from kernels.gated_delta_segmented import segmented_gated_delta_rule
 from kernels.grouped_gemm import grouped_mm_reference
 
 try:  # triton is absent on CPU-only installs
@@ -15,6 +16,11 @@ try:  # triton is absent on CPU-only installs
     from kernels.grouped_gemm_triton import grouped_mm_triton
 except ImportError:
     chunk_gated_delta_rule_triton = grouped_mm_triton = None
+
+
+# Rows longer than this run through the Triton kernel one segment at a time (kernels/gated_delta_segmented.py):
+# the kernel's saved intermediates for 16 heads of 128 are ~27 GiB per 256K tokens.
+SEGMENT_TOKENS = 1 << 18
 
 
 def _triton_handles(q: torch.Tensor, v: torch.Tensor, chunk_size: int, bounded_gate: bool) -> bool:
@@ -51,10 +57,12 @@ def gated_delta_rule(
     if gate_lower_bound is not None and not bounded_gate:
         raise ValueError("gate_lower_bound is the bounded gate: bounded_gate must be True")
     if _triton_handles(q, v, chunk_size, bounded_gate):
-        return chunk_gated_delta_rule_triton(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            gate_lower_bound=gate_lower_bound, cu_seqlens=cu_seqlens,
-        )
+        kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  gate_lower_bound=gate_lower_bound, cu_seqlens=cu_seqlens)
+        if q.shape[0] == 1 and q.shape[1] > SEGMENT_TOKENS:
+            return segmented_gated_delta_rule(chunk_gated_delta_rule_triton, q, k, v, g, beta,
+                                              seg_tokens=SEGMENT_TOKENS, **kw)
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, **kw)
     if gate_lower_bound is not None:
         g = gate_lower_bound * torch.sigmoid(g.float())
     return chunk_gated_delta_rule(
