@@ -1,0 +1,242 @@
+"""Context parallelism (``learner/context_parallel.py``, ``kernels/transition.py``): the state-passing maths at the
+kernel level (fp64, exact), then the whole tiny hybrid model (L, S, G, MoE, block attention residuals) split
+over CP ranks - simulated as threads of one process, and as real gloo processes on a 4K-token packed row whose
+episodes straddle the shard boundaries - against one rank: logprobs and every parameter gradient (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gated_delta_rule, recurrent_gated_delta_rule
+from kernels.transition import add_incoming, fold_incoming, shard_pass, transition_reference
+from learner.context_parallel import ContextParallel, pad_micro_batch, shard_micro_batch, shard_row, simulate
+from learner.logprobs import token_logprobs
+from learner.packing import Sample, collate
+
+FORWARD_KWARGS = {"cu_seqlens", "routed_experts"}
+
+
+def _delta_inputs(T: int, H: int = 2, K: int = 16, V: int = 8, dtype=torch.float64, decay: float = 0.1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(1, T, H, V, generator=gen, dtype=dtype)
+    g = -decay * torch.sigmoid(torch.randn(1, T, H, K, generator=gen, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=gen, dtype=dtype))
+    return q, k, v, g, beta
+
+
+def test_transition_maps_the_entering_state_to_the_final_state():
+    q, k, v, g, beta = _delta_inputs(40)
+    M = transition_reference(k, g, beta)
+    S0 = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    _, with_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    _, from_zero = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    torch.testing.assert_close(with_state, M @ S0 + from_zero, rtol=0, atol=1e-12)
+    assert M.abs().max() > 0.05  # a mild decay: the entering state still matters at the end
+
+
+def test_shard_pass_returns_the_transition_and_zero_state_run():
+    """The augmented kernel run (values [0 | v], initial state [I | 0]) against the token-by-token product."""
+    q, k, v, g, beta = _delta_inputs(100)
+    run = shard_pass(q, k, v, g, beta, torch.tensor([0, 100]), carries=True)
+    o0, h0 = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    torch.testing.assert_close(run.M, transition_reference(k, g, beta), rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.h_ext, h0, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.o, o0, rtol=0, atol=1e-12)
+    S0 = torch.randn(2, 16, 8, dtype=torch.float64)
+    o_in, _ = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0[None])
+    torch.testing.assert_close(add_incoming(run.o, run.q_eff, S0), o_in, rtol=0, atol=1e-12)
+
+
+def _shards(cu: list[int], T: int, size: int) -> list[tuple[slice, torch.Tensor, bool]]:
+    out = []
+    for r in range(size):
+        s = shard_row(torch.tensor(cu), r, size)
+        out.append((slice(s.start, s.end), s.cu_seqlens, s.carried > 0))
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_state_passing_over_shards_matches_the_whole_row_and_its_gradients(size):
+    """Shard runs + one exchange of (M, h_ext) + fold + correction == one run over the packed row, outputs and
+    gradients (fp64). Sequences end inside shards, one starts exactly on a shard start (120 with 3 and 5
+    shards of 120 / 72), one spans several shards."""
+    T, cu = 360, [0, 50, 120, 130, 360]
+    inputs = [x.requires_grad_() for x in _delta_inputs(T, decay=0.3)]
+    w = torch.randn(1, T, 2, 8, dtype=torch.float64)
+    ref, _ = gated_delta_rule(*inputs, cu_seqlens=torch.tensor(cu), output_final_state=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs)
+
+    runs = [shard_pass(*(x[:, sl] for x in inputs), lcu, carries) for sl, lcu, carries in _shards(cu, T, size)]
+    M, h = torch.cat([r.M for r in runs]), torch.cat([r.h_ext for r in runs])  # what the all-gather carries
+    o = torch.cat([add_incoming(r.o, r.q_eff, fold_incoming(M, h, j)) for j, r in enumerate(runs)], dim=1)
+    torch.testing.assert_close(o, ref, rtol=0, atol=1e-12)
+    for got, want in zip(torch.autograd.grad((o * w).sum(), inputs), ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+
+
+def test_shard_row_cuts_sequences_and_keeps_global_positions():
+    s = shard_row(torch.tensor([0, 3, 8, 16]), 1, 4)  # tokens 4..7: the second sequence from its 2nd token
+    assert (s.start, s.end, s.carried, s.first_len) == (4, 8, 1, 4)
+    assert s.cu_seqlens.tolist() == [0, 4] and s.pos_in_seg.tolist() == [1, 2, 3, 4]
+    s = shard_row(torch.tensor([0, 3, 8, 16]), 2, 4)  # tokens 8..11 start a sequence
+    assert (s.carried, s.cu_seqlens.tolist(), s.pos_in_seg.tolist()) == (0, [0, 4], [0, 1, 2, 3])
+    s = shard_row(torch.tensor([0, 3, 8, 16]), 0, 2)
+    assert (s.carried, s.cu_seqlens.tolist()) == (0, [0, 3, 8])
+    with pytest.raises(ValueError, match="equal shards"):
+        shard_row(torch.tensor([0, 10]), 0, 4)
+
+
+def _samples(lengths: list[int], vocab: int, seed: int = 0) -> list[Sample]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = (torch.rand(n, generator=gen) < 0.7).long().tolist()
+        out.append(Sample(token_ids=torch.randint(1, vocab, (n,), generator=gen).tolist(), loss_mask=mask,
+                          logprobs=[0.0] * n, advantage=float(torch.randn(1, generator=gen))))
+    return out
+
+
+def test_micro_batch_padding_and_sharding():
+    mb = collate(_samples([5, 6], 50), [0, 1], packed=True)  # 11 tokens
+    padded = pad_micro_batch(mb, 4, pad_id=0)
+    assert padded.input_ids.shape == (1, 12) and padded.cu_seqlens.tolist() == [0, 5, 11, 12]
+    assert padded.loss_mask[0, 11] == 0 and padded.position_ids[0, 11] == 0
+    assert padded.num_loss_tokens == mb.num_loss_tokens
+    shards = [shard_micro_batch(padded, shard_row(padded.cu_seqlens, r, 2)) for r in range(2)]
+    assert [s.cu_seqlens.tolist() for s in shards] == [[0, 5, 6], [0, 5, 6]]
+    assert torch.equal(torch.cat([s.position_ids for s in shards], 1), padded.position_ids)
+    assert torch.equal(torch.cat([s.targets for s in shards], 1), padded.targets)
+
+
+def _tiny_model(**overrides):
+    from model import MarathonConfig, MarathonForCausalLM
+
+    torch.manual_seed(0)
+    config = MarathonConfig.from_preset("tiny", **{"layer_layout": "LSLG", "num_hidden_layers": 4, **overrides})
+    return MarathonForCausalLM(config).float().train()
+
+
+def _reference(model, mb, weights):
+    """Logprobs at every position of the packed row and the gradient of sum(weights * logprobs), one rank."""
+    model = copy.deepcopy(model)
+    logp = token_logprobs(model, mb, FORWARD_KWARGS, all_positions=True)
+    (logp * weights).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _assert_matches(logp, grads, ref_logp, ref_grads, tol=1e-5):
+    assert _rel(logp, ref_logp) < tol, _rel(logp, ref_logp)
+    worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+    assert set(grads) == set(ref_grads)
+    assert _rel(grads[worst], ref_grads[worst]) < tol, (worst, _rel(grads[worst], ref_grads[worst]))
+
+
+@pytest.mark.parametrize(
+    "lengths, size, window, connected",
+    [
+        ([40, 100, 30, 86], 2, 64, False),  # episodes straddle the cut; a shard holds several
+        ([40, 100, 30, 86], 4, 64, True),  # ranks' graphs joined: one backward (the single-device check)
+        ([3, 5, 8, 2, 6], 4, 13, False),  # 6-token shards: the 12-token window and the conv halo span shards
+        ([1, 2, 1, 4], 4, 64, False),  # 2-token shards: the conv halo spans shards; a sequence starts a shard
+    ],
+)
+def test_simulated_ranks_match_one_rank(one_thread, lengths, size, window, connected):
+    model = _tiny_model(sliding_window=window)
+    mb = collate(_samples(lengths, model.config.vocab_size), list(range(len(lengths))), packed=True)
+    weights = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(1))
+    ref_logp, ref_grads = _reference(model, mb, weights)
+    replicas = [copy.deepcopy(model) for _ in range(size)]
+
+    def rank_main(rank, comm):
+        cp = ContextParallel(replicas[rank], comm=comm)
+        with cp.sharded(mb) as local:
+            logp = token_logprobs(replicas[rank], local, FORWARD_KWARGS, all_positions=True)
+            loss = (logp * weights[:, cp.shard.start : cp.shard.end]).sum()
+            if not connected:
+                loss.backward()
+        return logp, loss
+
+    results = simulate(size, rank_main, connected=connected)
+    if connected:
+        sum(loss for _, loss in results).backward()
+    grads = {n: sum(dict(r.named_parameters())[n].grad for r in replicas) for n in ref_grads}
+    _assert_matches(torch.cat([lp for lp, _ in results], 1).detach(), grads, ref_logp, ref_grads)
+
+
+def test_mixers_run_their_own_forward_outside_a_shard():
+    model = _tiny_model().eval()  # eval: no routing statistics carried from one forward to the next
+    ids = torch.randint(1, 100, (1, 12))
+    want = model(input_ids=ids).logits
+    cp = simulate(1, lambda rank, comm: ContextParallel(model, comm=comm))[0]
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=0)
+    cp.remove()
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+# -- real ranks: gloo processes ---------------------------------------------------------------------------------
+
+ROW_LENGTHS = [700, 1500, 333, 900, 663]  # 4096 tokens; 2 and 4 shards cut inside sequences, one spans 3 shards
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, size: int, port: int, path: str, checkpointing: bool) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        data = torch.load(path, weights_only=False)
+        model = data["model"]
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        cp = ContextParallel(model)  # the default group: every rank of this world is a CP rank
+        with cp.sharded(data["mb"]) as local:
+            logp = token_logprobs(model, local, FORWARD_KWARGS, all_positions=True)
+            (logp * data["weights"][:, cp.shard.start : cp.shard.end]).sum().backward()
+        cp.all_reduce_gradients()
+        logp = cp.gather(logp.detach())
+        if rank == 0:
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            torch.save({"logp": logp, "grads": grads}, path + ".out")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size, checkpointing", [(2, False), (4, True)])
+def test_gloo_ranks_match_one_rank_on_a_4k_packed_row(tmp_path, one_thread, size, checkpointing):
+    """CP=2 and CP=4 real processes (gloo), forward + backward, with routing replay and (CP=4) gradient
+    checkpointing, whose recompute repeats the collectives inside the backward."""
+    import torch.multiprocessing as mp
+
+    model = _tiny_model()
+    mb = collate(_samples(ROW_LENGTHS, model.config.vocab_size), list(range(len(ROW_LENGTHS))), packed=True)
+    assert mb.input_ids.shape[1] == 4096
+    with torch.no_grad():  # record the routing, replayed by both sides (as the learner replays the rollout's)
+        out = copy.deepcopy(model)(input_ids=mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
+                                   return_routed_experts=True)
+    mb.routed_experts = out.routed_experts
+    weights = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(1))
+    ref_logp, ref_grads = _reference(model, mb, weights)
+    path = str(tmp_path / "cp.pt")
+    torch.save({"model": model, "mb": mb, "weights": weights}, path)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_gloo_rank, args=(size, _free_port(), path, checkpointing), nprocs=size, join=True)
+    got = torch.load(path + ".out", weights_only=False)
+    _assert_matches(got["logp"], got["grads"], ref_logp, ref_grads)
