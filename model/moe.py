@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 from model.config import MarathonConfig
@@ -157,6 +158,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    TOKEN_CHUNK = 1 << 17
+
     def __init__(self, config: MarathonConfig):
         super().__init__()
         E, D, Fi = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -164,7 +167,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, Fi, D))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights/idx [N, k] -> [N, D]. Tokens are sorted by expert; one GEMM per expert segment."""
+        """x [N, D], weights/idx [N, k] -> [N, D]. Long rows in training go ``TOKEN_CHUNK`` tokens at a time, each
+        chunk recomputed in backward: the sorted copies of x (k rows per token) and the expert activations of a
+        1M-token row would otherwise take ~100 GiB at hidden 2048 and top-4."""
+        if x.shape[0] <= self.TOKEN_CHUNK or not torch.is_grad_enabled():
+            return self._grouped(x, weights, idx)
+        return torch.cat([checkpoint(self._grouped, x[i:i + self.TOKEN_CHUNK], weights[i:i + self.TOKEN_CHUNK],
+                                     idx[i:i + self.TOKEN_CHUNK], use_reentrant=False)
+                          for i in range(0, x.shape[0], self.TOKEN_CHUNK)])
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert; one grouped GEMM over the expert segments."""
         N, k = idx.shape
         E = self.gate_up_proj.shape[0]
         flat = idx.reshape(-1)  # [N*k]

@@ -135,3 +135,23 @@ def test_grouped_expert_compute_matches_per_token_loop():
             g, u = (x[0, t] @ moe.experts.gate_up_proj[e]).chunk(2)
             ref[t] = ref[t] + w[t, j] * (F.silu(g) * u) @ moe.experts.down_proj[e]
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_long_rows_go_through_the_experts_in_recomputed_chunks(one_thread, monkeypatch):
+    """Experts.TOKEN_CHUNK: chunked + checkpointed expert compute equals the whole row, values and gradients."""
+    from model.moe import Experts
+
+    torch.manual_seed(0)
+    moe = MoE(MarathonConfig.from_preset("tiny")).double().eval()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(1, 300, moe.experts.gate_up_proj.shape[1], dtype=torch.float64, requires_grad=True)
+
+    def run():
+        out, _ = moe(x)
+        return [out, *torch.autograd.grad(out.square().sum(), [x, *moe.experts.parameters()])]
+
+    whole = run()
+    monkeypatch.setattr(Experts, "TOKEN_CHUNK", 64)
+    for a, b in zip(run(), whole):
+        assert torch.allclose(a, b, atol=1e-12)
