@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.chunk_replay import chunk_replay
 from kernels.chunked_gated_delta import chunk_gated_delta_rule
 from kernels.gated_delta import gated_delta_rule_step, recurrent_gated_delta_rule
 from kernels.gated_delta_segmented import segmented_gated_delta_rule
@@ -81,6 +82,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 __all__ = [
     "chunk_gated_delta_rule",
+    "chunk_replay",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "grouped_mm",
