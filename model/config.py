@@ -8,6 +8,8 @@ delta rule), ``S`` sliding-window GQA attention, ``G`` global gated MLA. A layou
 Presets (``MarathonConfig.from_preset(name, **overrides)``):
 - ``tiny``: CPU tests and vLLM-CPU plugin tests (~1.3M params; head dims 64 everywhere, as vLLM's CPU attention
   needs).
+- ``learner-bench``: `marathon bench learner`'s hybrid MoE at real widths (hidden 2048, vocab 131072, KDA heads
+  of 128, 32 experts), ~2B parameters.
 - ``kimi-linear-48b-a3b``: the public Kimi-Linear-48B-A3B shapes (27 layers, KDA:MLA 3:1, 256 routed experts
   top-8 + 1 shared, first layer dense, MLA without RoPE). ~49B total / ~3B activated (see tests).
 - ``marathon-93l-896e``: the larger successor per DESIGN_NOTES (93 layers = 69 KDA + 24 gated MLA, 896 routed
@@ -152,6 +154,35 @@ _KIMI_LINEAR_48B = dict(
 
 PRESETS: dict[str, dict] = {
     "tiny": {},
+    # `marathon bench learner`: real widths at ~2B total parameters, so one RL update of a 1M-token episode fits
+    # one H200 (bf16 weights, fp32 master weights and AdamW state, activation checkpointing)
+    "learner-bench": dict(
+        vocab_size=131072,
+        hidden_size=2048,
+        num_hidden_layers=12,
+        layer_layout="LLSG",  # 6 KDA, 3 sliding-window GQA, 3 gated MLA
+        max_position_embeddings=1048576,
+        linear_num_heads=16,
+        linear_head_k_dim=128,
+        linear_head_v_dim=128,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        sliding_window=4096,
+        mla_num_heads=16,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        attn_residual=True,
+        attn_residual_block_size=4,
+        intermediate_size=4096,
+        first_k_dense=1,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        moe_intermediate_size=512,
+    ),
     "kimi-linear-48b-a3b": _KIMI_LINEAR_48B,
     "marathon-93l-896e": {
         **_KIMI_LINEAR_48B,

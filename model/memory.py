@@ -55,3 +55,52 @@ def designs_summary(config: MarathonConfig) -> str:
     return (f"MHA: {c.num_attention_heads} heads x {c.head_dim}; GQA: {c.num_key_value_heads} KV heads x {c.head_dim}; "
             f"MLA: latent {c.kv_lora_rank} + rope key {c.qk_rope_head_dim}; linear state {c.linear_num_heads} x "
             f"{c.linear_head_k_dim} x {c.linear_head_v_dim} fp32 (+ conv {c.linear_conv_kernel - 1} taps)")
+
+
+# -- learner (training) memory per rank ---------------------------------------------------------------------------
+KDA_BYTES_PER_TOKEN_HEAD = 6900  # the Triton kernel's fwd+bwd intermediates, K = V = 128 (H200: 108 GiB at 1M x 16 heads)
+KDA_SEGMENT = 1 << 18  # kernels.SEGMENT_TOKENS: longer rows run segment by segment
+EXPERT_CHUNK = 1 << 17  # model.moe.Experts.TOKEN_CHUNK
+HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
+
+
+def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
+                         bf16: bool = True, checkpointing: bool = True) -> dict[str, int]:
+    """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
+
+    states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
+             fp32 master weights 4 P and fp32 gradient accumulators 4 P (DeepSpeed's bf16 optimizer); ZeRO-1
+             shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+    saved:   with activation checkpointing, each layer's input [T, D] (and each completed attention-residual
+             block) stays alive until the backward; without it, every layer's intermediates (~ the transient
+             below, per layer).
+    transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
+             (calibrated on the H200) for one segment, q/k/v/gate projections; the MoE on one expert chunk
+             (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out; the chunked LM head.
+    ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
+    ``marathon bench learner``; not a bound."""
+    import torch
+
+    from model.modeling import MarathonForCausalLM
+
+    c, T = config, -(-tokens // cp)
+    with torch.device("meta"):
+        P = MarathonForCausalLM(c).parameter_counts()["total"]
+    w, a = (2, 2) if bf16 else (4, 4)
+    weights = P * w // (dp if zero_stage >= 3 else 1)
+    grads = P * w // (dp if zero_stage >= 2 else 1)
+    optimizer = P * (8 + (8 if bf16 else 0)) // (dp if zero_stage >= 1 else 1)
+    D, kinds = c.hidden_size, c.layer_kinds
+    blocks = (len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0
+    H, K, V = c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
+    kda = min(T, KDA_SEGMENT) * H * KDA_BYTES_PER_TOKEN_HEAD * (K + V) // 256 + T * H * (3 * K + V) * a * 2
+    te = min(T, EXPERT_CHUNK) * c.num_experts_per_tok
+    moe = te * (3 * D * a + 3 * c.moe_intermediate_size * a) + 3 * T * D * a
+    mla = T * c.mla_num_heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2
+    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * D * a
+    transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head)
+    saved = (len(kinds) + blocks) * T * D * a if checkpointing else len(kinds) * transient
+    out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
+           "transient": transient}
+    out["total"] = sum(out.values())
+    return out

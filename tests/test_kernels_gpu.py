@@ -143,3 +143,83 @@ def test_grouped_mm_matches_loop(dtype, tol):
     # fp32 dots run as tf32 on the tensor cores (~3e-4 expected)
     for name, a, b in (("y", y, yr), ("dx", dx, dxr), ("dw", dw, dwr)):
         assert rel(a, b) < tol, (name, rel(a, b))
+
+
+def per_sequence_reference(inputs, cu, dtype):
+    """fp64 recurrent reference over each packed sequence on its own (inputs rounded to ``dtype`` first)."""
+    from kernels.gated_delta import recurrent_gated_delta_rule
+
+    def fn(q, k, v, g, beta, initial_state, output_final_state):
+        outs = [recurrent_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                           initial_state=initial_state[i:i + 1], output_final_state=True)
+                for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+        return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs], 0)
+
+    rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]
+    return run(fn, rounded, torch.float64, "graph")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_packed_ragged_row_through_the_model_dispatch(dtype, tol):
+    """Sequences of 1, 63, 65, 1000 and 4097 tokens in one row, each from its own initial state, through
+    kernels.gated_delta_rule with the gate fused (the model's own path)."""
+    import kernels
+
+    lengths = [1, 63, 65, 1000, 4097]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v, raw, beta, _ = make_inputs(1, int(cu[-1]), 2, 128, 128, seed=5)
+    h0 = torch.randn(len(lengths), 2, 128, 128, device="cuda")
+    inputs = [q, k, v, raw, beta, h0]
+    ref = per_sequence_reference(inputs, cu, dtype)
+
+    def dispatch(*xs, initial_state, output_final_state, gate_lower_bound):
+        return kernels.gated_delta_rule(*xs, initial_state=initial_state, output_final_state=output_final_state,
+                                        gate_lower_bound=gate_lower_bound, cu_seqlens=cu)
+
+    out = run(dispatch, inputs, dtype, "fused")
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+def fused_kernel_matches_recurrent(inputs, dtype, tol):
+    from kernels.gated_delta import recurrent_gated_delta_rule
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]
+    ref = run(recurrent_gated_delta_rule, rounded, torch.float64, "graph")
+    out = run(chunk_gated_delta_rule_triton, inputs, dtype, "fused")
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("T", [1, 2, 63, 64, 65])
+def test_short_sequences(T, dtype, tol):
+    """Lengths below and around one chunk (the kernel once faulted under 64 tokens)."""
+    fused_kernel_matches_recurrent(make_inputs(2, T, 2, 64, 64, seed=T), dtype, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_head_dim_256(dtype, tol):
+    fused_kernel_matches_recurrent(make_inputs(1, 200, 2, 256, 256, seed=3), dtype, tol)
+
+
+def test_segmented_long_row_equals_whole_row(monkeypatch):
+    """Rows over kernels.SEGMENT_TOKENS run segment by segment: the same outputs and gradients (fp32)."""
+    import kernels
+
+    lengths = [700, 100, 1300]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v, raw, beta, _ = make_inputs(1, int(cu[-1]), 2, 64, 64, seed=9)
+    inputs = [q, k, v, raw, beta, torch.randn(len(lengths), 2, 64, 64, device="cuda")]
+
+    def dispatch(*xs, initial_state, output_final_state, gate_lower_bound):
+        return kernels.gated_delta_rule(*xs, initial_state=initial_state, output_final_state=output_final_state,
+                                        gate_lower_bound=gate_lower_bound, cu_seqlens=cu)
+
+    whole = run(dispatch, inputs, torch.float32, "fused")
+    monkeypatch.setattr(kernels, "SEGMENT_TOKENS", 512)
+    for name, a, b in zip(NAMES, run(dispatch, inputs, torch.float32, "fused"), whole):
+        assert rel(a, b) < 1e-5, (name, rel(a, b))

@@ -5,7 +5,7 @@ show up here before any device time is spent.
 Needs a Triton with the NVIDIA backend (ptxas, cuobjdump), e.g. the device's version in a side folder:
 
     pip install --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36:. .venv/bin/python benchmarks/kernels/resources.py [bf16|fp32]
+    PYTHONPATH=/tmp/t36:. .venv/bin/python benchmarks/kernels/resources.py [bf16|fp32] [head dim, 128]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import kernels.gated_delta_triton as gdt  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-H, K, V = 16, 128, 128
+H = 16
+K = V = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 INTS = {"T": "i32", "NT": "i32"}
 
 
@@ -80,14 +81,15 @@ def main(dtype: str) -> int:
         report("decode_step", gdt._decode_step_kernel, {**ptrs("q k v g beta state o new_state", f32),
                "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)),
     ]
-    for c in gdt.STATE_CONFIGS:
-        tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}"
+    chunks = ptrs("chunk_seq chunk_flags", "*i32")
+    for c, varlen in ((c, v) for c in gdt.STATE_CONFIGS for v in (False, True)):
+        tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}" + (" varlen" if varlen else "")
         ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
-                         **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=True, STORE_HT=True, PREC=prec),
-                         c.num_warps, c.num_stages))
+                         **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=True, STORE_HT=True,
+                                                 VARLEN=varlen, PREC=prec), c.num_warps, c.num_stages))
         ok.append(report(f"state_bwd {tag}", gdt._state_bwd_kernel, {**ptrs("qg kd w do dh"),
-                         **ptrs("G dU dht dh0", f32), **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_DHT=True,
-                         STORE_DH0=True, PREC=prec), c.num_warps, c.num_stages))
+                         **ptrs("G dU dht dh0", f32), **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"],
+                         HAS_DHT=True, STORE_DH0=True, VARLEN=varlen, PREC=prec), c.num_warps, c.num_stages))
     for c in gdt.PAIR_CONFIGS:
         tag = f"BK{c.kwargs['BK']} w{c.num_warps} s{c.num_stages}"
         ok.append(report(f"bwd_pair {tag}", gdt._bwd_pair_kernel, {**ptrs("q k beta dq dk"),

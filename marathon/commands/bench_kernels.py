@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds for the correctness checks (run after the timings); later lengths are skipped")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the correctness checks (bf16, fp32) at --lengths, written to checks.json")
+    parser.add_argument("--shapes", action="store_true",
+                        help="only the shape table: ours through the model's dispatch vs fla, per model shape")
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
     parser.add_argument("--render-only", metavar="RESULTS_JSON",
                         help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
@@ -214,6 +216,76 @@ def _bench_kda(B, T, H, D, sdpa_max: int, torch_max: int, have_fla: bool) -> lis
         r["Mtok_s"] = B * T / r["fwd_bwd_ms"] / 1e3
         r["tflops"] = r["flops"] / r["fwd_bwd_ms"] / 1e9
     return rows
+
+
+# The shapes the model runs (head dims 64/128/256, 1-32 heads, packed rows), (B, T, H, D, dtype, packed lengths)
+SHAPES = [(4, 8192, 32, 64, "bf16", None), (1, 32768, 8, 256, "bf16", None), (1, 32768, 8, 256, "fp32", None),
+          (1, 65536, 16, 128, "bf16", None), (1, 16384, 1, 128, "bf16", None), (2, 16384, 32, 128, "bf16", None),
+          (1, 65536, 16, 128, "bf16", "packed"), (1, 8192, 32, 64, "fp32", None)]
+
+
+def _packed_lengths(T: int, seed: int = 0) -> list[int]:
+    """Ragged episode lengths (1 to 8K, none a multiple of 64 but by chance) summing to T."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while sum(out) < T:
+        out.append(min(rng.randint(1, 8192), T - sum(out)))
+    return out
+
+
+def _bench_shapes(have_fla: bool) -> list[dict]:
+    """Forward and forward+backward ms of ours through ``kernels.gated_delta_rule`` (gate logits, fused, as the
+    model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES."""
+    import torch
+
+    import kernels
+
+    rows = []
+    for B, T, H, D, dt, packed in SHAPES:
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float32
+        q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, T, H, D, dtype)]
+        cu = None
+        if packed:
+            cu = torch.tensor([0, *torch.tensor(_packed_lengths(T)).cumsum(0).tolist()], device="cuda")
+        do = torch.randn_like(v)
+        methods = {"ours": lambda: kernels.gated_delta_rule(q, k, v, raw, beta, gate_lower_bound=-5.0,
+                                                            cu_seqlens=cu)[0]}
+        if have_fla:
+            from fla.ops.kda import chunk_kda
+
+            methods["fla"] = lambda: chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, safe_gate=True,
+                                               lower_bound=-5.0, cu_seqlens=cu)[0]
+        row = {"B": B, "T": T, "H": H, "D": D, "dtype": dt, "packed": 0 if cu is None else len(cu) - 1}
+        for name, fwd in methods.items():
+            try:
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = _bench(fwd)
+                row[f"{name}_fwd_bwd_ms"] = _bench(lambda: torch.autograd.grad(fwd(), (q, k, v, raw, beta), do))
+            except Exception as e:  # noqa: BLE001 - a failing method is a table entry, not a crashed run
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.empty_cache()
+        if "fla_fwd_bwd_ms" in row and "ours_fwd_bwd_ms" in row:
+            row["ours_over_fla_fwd_bwd"] = row["fla_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"]  # throughput ratio
+            row["ours_over_fla_fwd"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _shapes_markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# Gated delta rule per model shape ({meta['device']}, fla {meta['fla']})", "",
+             f"Command: `{meta['command']}`. Ours through `kernels.gated_delta_rule` with the gate fused, as the "
+             "model calls it; fla's `chunk_kda(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5)`. "
+             "Ratios are throughput, ours / fla (> 1: ours faster).", "",
+             "| B | T | H | K=V | dtype | packed seqs | ours fwd ms | fla fwd ms | fwd ratio | ours fwd+bwd ms | "
+             "fla fwd+bwd ms | fwd+bwd ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = lambda k: f"{r[k]:.2f}" if k in r else r.get(k.split("_")[0] + "_error", "")[:40]  # noqa: E731
+        lines.append(f"| {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['dtype']} | {r['packed'] or ''} | "
+                     f"{f('ours_fwd_ms')} | {f('fla_fwd_ms')} | {f('ours_over_fla_fwd')} | {f('ours_fwd_bwd_ms')} | "
+                     f"{f('fla_fwd_bwd_ms')} | {f('ours_over_fla_fwd_bwd')} |")
+    return "\n".join(lines) + "\n"
 
 
 def _bench_decode(B, H, D, copy_gbs: float) -> dict:
@@ -438,6 +510,11 @@ def main(args: argparse.Namespace) -> int:
             "fla": fla_version, "B": B, "H": H, "D": D, "check_heads": args.check_heads,
             "command": "marathon bench kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                             if a not in ("bench", "kernels"))}
+    if args.shapes:
+        rows = _bench_shapes(not fla_version.startswith("not"))
+        (out / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
+        return 0 if all("ours_fwd_bwd_ms" in r for r in rows) else 1
     if args.checks_only:
         checks = {}
         _run_checks(args, lengths, checks, lambda: (out / "checks.json").write_text(

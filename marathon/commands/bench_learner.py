@@ -1,0 +1,316 @@
+"""`marathon bench learner`: one real RL update of a hybrid MoE preset at long context.
+
+Each case is one ``Learner.train_rl`` call (the DeepSpeed engine, GRPO loss, optimizer step, gradient
+checkpointing, the token-chunked logprob head) on synthetic episodes: packed episodes summing to each of
+``--tokens`` (micro-batches of at most ``--micro-batch-tokens``), and ``--single`` episodes of one sequence each.
+Per case: wall time, tokens/s, model TFLOP/s and MFU against the bf16 matmul peak measured in the same run,
+peak memory (measured and predicted by ``model.memory.learner_memory_bytes``), and time per layer type: each
+kind of layer (L / S / G mixers, the MoE and dense FFNs, the LM head) timed on its own, forward and backward,
+on the same row layout, times its count (forward twice under checkpointing). ``--layouts hybrid,global``
+repeats everything with every mixer a gated MLA layer (same widths), for as long as it fits and a predicted
+step stays under ``--max-step-s``.
+
+GPU: ``python3 -m marathon.commands.bench_learner --out $OUT`` (DeepSpeed and pydantic travel as wheels; Ray and
+vLLM are not needed). CPU: ``marathon bench learner --device cpu --preset tiny --tokens 2048 --single 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+PRESET_NOTE = {"learner-bench": "hidden 2048, 12 layers LLSG (6 KDA x 16 heads of 128, 3 sliding GQA window 4096, "
+                                 "3 gated MLA), 32 routed experts top-4 + 1 shared (width 512), vocab 131072"}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("learner", help="one RL update of a hybrid MoE preset at 16K-1M tokens (GPU)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="learner-bench", help="model preset (model/config.py)")
+    parser.add_argument("--layouts", default="hybrid,global", help="hybrid (the preset's) and/or global (all MLA)")
+    parser.add_argument("--tokens", default="16384,65536,262144,1048576", help="packed episodes summing to these")
+    parser.add_argument("--single", default="1048576", help="single-episode lengths (0: none)")
+    parser.add_argument("--episode-tokens", default="2048,16384", help="min,max length of a packed episode")
+    parser.add_argument("--micro-batch-tokens", type=int, default=262144)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--max-step-s", type=float, default=150.0,
+                        help="skip a case whose step is predicted (from the last case, T^2 for MLA) to exceed this")
+    parser.add_argument("--no-layer-times", action="store_true", help="skip the per-layer-type timings")
+    parser.add_argument("--out", default="benchmarks/learner", help="output folder")
+
+
+def _episodes(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Episode lengths in [lo, hi] summing to ``total`` (the last one takes the rest)."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(rng.randint(lo, hi), total - sum(out)))
+    return out
+
+
+def _samples(lengths: list[int], vocab: int, seed: int):
+    """Synthetic agentic episodes: a prompt, then model turns (loss tokens) and tool outputs (not scored),
+    groups of 8 with GRPO advantages of random rewards."""
+    import torch
+
+    from learner.packing import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(len(lengths), generator=g).round()
+    samples = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(8, vocab, (n,), generator=g).tolist()
+        mask = [0] * n
+        t = min(n // 10, 1024)  # prompt
+        while t < n:
+            turn, tool = 512, 256
+            mask[t:t + turn] = [1] * len(mask[t:t + turn])
+            t += turn + tool
+        group = rewards[i - i % 8: i - i % 8 + 8]
+        adv = float((rewards[i] - group.mean()) / (group.std() + 1e-6)) if len(group) > 1 else 1.0
+        samples.append(Sample(ids, mask[:n], [-1.0 * m for m in mask[:n]], advantage=adv or 0.5))
+    return samples
+
+
+def model_flops(config, lengths: list[int], loss_tokens: int, activated_non_embedding: int) -> float:
+    """Model FLOPs of one forward + backward (backward = 2x forward; recompute not counted, as MFU is usually
+    defined): 6 N_active per token for the matmul weights (routed experts at top-k), the LM head on the scored
+    tokens only, causal MLA attention per sequence, sliding-window attention, and the chunked KDA algorithm."""
+    from marathon.commands.bench_kernels import kda_flops
+
+    c, kinds = config, config.layer_kinds
+    T = sum(lengths)
+    flops = 6.0 * activated_non_embedding * T + 6.0 * c.vocab_size * c.hidden_size * loss_tokens
+    d_qk, d_v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    for n in lengths:
+        flops += kinds.count("G") * 3.0 * n * n * c.mla_num_heads * (d_qk + d_v)  # 2 products, causal half, x3
+        w = min(n, c.sliding_window)
+        flops += kinds.count("S") * 3.0 * 2 * n * w * c.num_attention_heads * 2 * c.head_dim
+        flops += kinds.count("L") * kda_flops(1, n, c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim)
+    return flops
+
+
+def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
+    """Forward and backward ms of one layer of each kind on this micro-batch's row layout, isolated (on copies,
+    so no gradient reaches the engine's parameters)."""
+    import copy
+
+    import torch
+
+    from learner.logprobs import head_logprobs
+    from model.modeling import _Context
+
+    inner = model.get_decoder()
+    T = mb.input_ids.shape[1]
+    cu = mb.cu_seqlens.to(device)
+    seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff())
+    ctx = _Context(mb.position_ids.to(device), None, cu, torch.arange(T, device=device) - cu[seg], None)
+    dtype = next(model.parameters()).dtype
+    D = model.config.hidden_size
+
+    def timed(fn, *inputs):
+        x = [t.detach().requires_grad_() for t in inputs]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        if ev:
+            ev[0].record()
+        out = fn(*x)
+        out = out[0] if isinstance(out, tuple) else out
+        if ev:
+            ev[1].record()
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out) / out.numel())
+        if ev:
+            ev[2].record()
+            torch.cuda.synchronize()
+            return {"fwd_ms": ev[0].elapsed_time(ev[1]), "bwd_ms": ev[1].elapsed_time(ev[2])}
+        return {"fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (time.perf_counter() - t1) * 1e3}
+
+    x = torch.randn(1, T, D, device=device, dtype=dtype) * 0.5
+    out: dict[str, dict[str, float]] = {}
+    for layer in inner.layers:
+        kind = layer.kind
+        if kind in out and ("MoE" if layer.is_moe else "FFN") in out:
+            continue
+        layer = copy.deepcopy(layer)
+        if kind not in out:
+            out[kind] = {**timed(lambda h: layer.mix(h, ctx), x), "count": model.config.layer_kinds.count(kind)}
+        ffn = "MoE" if layer.is_moe else "FFN"
+        if ffn not in out:
+            n = sum(1 for m in inner.layers if m.is_moe == layer.is_moe)
+            out[ffn] = {**timed(lambda h: layer.ffn(h, None), x), "count": n}
+    rows = int((mb.loss_mask != 0).sum())
+    h = torch.randn(rows, D, device=device, dtype=dtype) * 0.5
+    targets = mb.targets.to(device).flatten()[(mb.loss_mask.to(device) != 0).flatten()]
+    head = copy.deepcopy(model.get_output_embeddings())
+    out["head"] = {**timed(lambda z: head_logprobs(head, z, targets), h), "count": 1}
+    return out
+
+
+def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list) -> None:
+    import tempfile
+
+    import torch
+
+    from configs.schema import LearnerSection, LossSection
+    from learner.engine import Learner
+    from model.config import MarathonConfig
+    from model.memory import learner_memory_bytes
+    from model.modeling import MarathonForCausalLM
+
+    overrides = {} if layout == "hybrid" else {"layer_layout": "G"}
+    config = MarathonConfig.from_preset(args.preset, **overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        model = MarathonForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        counts = model.parameter_counts()
+        model.save_pretrained(tmp)
+        del model
+        cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32", gradient_checkpointing=True,
+                             micro_batch_tokens=args.micro_batch_tokens,
+                             loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
+        learner = Learner(tmp, cfg, seed=0)
+        print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
+              f"built in {time.perf_counter() - t0:.0f}s", flush=True)
+    lo, hi = (int(x) for x in args.episode_tokens.split(","))
+    cases = [("packed", T, _episodes(T, lo, hi, seed=T)) for T in (int(x) for x in args.tokens.split(",") if x)]
+    cases += [("single", T, [T]) for T in (int(x) for x in args.single.split(",") if x and int(x) > 0)]
+    warm = _samples(_episodes(min(4096, cases[0][1]), 64, 2048, seed=1), config.vocab_size, seed=1)
+    learner.train_rl(warm)  # compiles and autotunes the kernels
+    last = None  # (tokens, seconds, has quadratic layers)
+    non_embedding = counts["activated"] - counts["embeddings"]
+    for kind, T, lengths in cases:
+        row = {"layout": layout, "case": kind, "tokens": T, "episodes": len(lengths)}
+        if last is not None:
+            scale = (T / last[0]) ** (2 if "G" in config.layer_kinds else 1)
+            row["predicted_s"] = last[1] * scale
+            if row["predicted_s"] > args.max_step_s:
+                row["skipped"] = f"predicted {row['predicted_s']:.0f}s > --max-step-s {args.max_step_s:.0f}"
+                print(json.dumps(row), flush=True)
+                meta_rows.append(row)
+                continue
+        samples = _samples(lengths, config.vocab_size, seed=T)
+        loss_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
+        row["predicted_peak_gib"] = learner_memory_bytes(config, max(min(T, args.micro_batch_tokens), max(lengths)),
+                                                         zero_stage=0, checkpointing=True)["total"] / 2**30
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            stats = learner.train_rl(samples)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError as e:
+            row["oom"] = str(e).split("\n")[0][:200]
+            print(json.dumps(row), flush=True)
+            meta_rows.append(row)
+            learner.engine.zero_grad()
+            torch.cuda.empty_cache()
+            continue
+        dt = time.perf_counter() - t0
+        flops = model_flops(config, lengths, loss_tokens, non_embedding)
+        row.update(seconds=dt, tokens_per_s=T / dt, loss_tokens=loss_tokens, model_tflops=flops / dt / 1e12,
+                   mfu=flops / dt / 1e12 / peak_tflops, loss=stats["loss"], grad_norm=stats["grad_norm"],
+                   micro_batches=len(learner.micro_batches(samples)))
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if not args.no_layer_times:
+            mb = learner.micro_batches(samples)[0]
+            try:
+                times = _layer_times(learner.module, mb, device)
+                row["layers"] = times
+                per_mb = len(learner.micro_batches(samples))
+                row["in_step_estimate_s"] = {k: per_mb * v["count"] * (2 * v["fwd_ms"] + v["bwd_ms"]) / 1e3
+                                             for k, v in times.items()}
+            except torch.cuda.OutOfMemoryError as e:
+                row["layers"] = {"oom": str(e).split("\n")[0][:200]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        meta_rows.append(row)
+        last = (T, dt)
+    del learner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# `marathon bench learner` ({meta['device']})", "",
+             f"Command: `{meta['command']}`", "",
+             f"Preset `{meta['preset']}`: {PRESET_NOTE.get(meta['preset'], '')}. bf16 matmul peak measured in the "
+             f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
+             "optimizer step, gradient checkpointing).", "",
+             "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "seconds" not in r:
+            why = r.get("oom") and "OOM" or r.get("skipped", "")
+            lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | {r['episodes']} | {why} | | | | | "
+                         f"{r.get('predicted_peak_gib', float('nan')):.1f} |")
+            continue
+        lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
+                     f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} |")
+    lines += ["", "Time per layer type (isolated layer, fwd / bwd ms on the case's first micro-batch; in-step "
+              "estimate = micro-batches x count x (2 fwd + bwd) under checkpointing):", "",
+              "| layout | case | tokens | " + " | ".join(["L", "S", "G", "MoE", "FFN", "head"]) + " | step s |",
+              "|---|---|---|" + "---|" * 7]
+    for r in rows:
+        if not isinstance(r.get("layers"), dict) or "oom" in r["layers"]:
+            continue
+        cells = []
+        for k in ["L", "S", "G", "MoE", "FFN", "head"]:
+            v = r["layers"].get(k)
+            cells.append(f"{v['fwd_ms']:.1f} / {v['bwd_ms']:.1f} ({r['in_step_estimate_s'][k]:.2f} s)" if v else "")
+        lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("marathon bench learner: no CUDA GPU here; run it on the GPU machine or pass --device cpu "
+              "--preset tiny", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        from marathon.commands.bench_kernels import _ceilings
+
+        peak = _ceilings()["bf16_matmul_tflops"]
+        name = torch.cuda.get_device_name()
+    else:
+        peak, name = float("nan"), "cpu"
+    meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "peak_tflops": peak,
+            "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
+                                                             if a not in ("bench", "learner"))}
+    print(json.dumps(meta), flush=True)
+    rows: list[dict] = []
+    for layout in args.layouts.split(","):
+        _run_layout(layout, args, peak, device, rows)
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "results.md").write_text(_markdown(meta, rows))
+    print(_markdown(meta, rows))
+    return 0 if any("seconds" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="marathon bench learner")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

@@ -1,0 +1,42 @@
+"""`marathon bench learner` end to end on CPU (tiny preset), and the learner memory model it prints beside the
+measurements."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model.config import MarathonConfig
+from model.memory import learner_memory_bytes
+
+
+@pytest.mark.slow  # DeepSpeed start-up, two RL updates and 12 timed layers: minutes on 2 shared cores
+def test_bench_learner_runs_small_on_cpu(tmp_path):
+    import argparse
+
+    from marathon.commands.bench_learner import add_arguments, main
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--preset", "tiny", "--layouts", "hybrid", "--tokens", "600",
+                         "--single", "300", "--episode-tokens", "64,256", "--micro-batch-tokens", "512",
+                         "--out", str(tmp_path)])
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["case"], r["tokens"]) for r in rows] == [("packed", 600), ("single", 300)]
+    for r in rows:
+        assert r["seconds"] > 0 and r["loss_tokens"] > 0 and r["micro_batches"] >= 1
+        assert set(r["layers"]) == {"L", "S", "G", "MoE", "FFN", "head"}
+    assert "| hybrid | single | 300 |" in (tmp_path / "results.md").read_text()
+
+
+def test_learner_memory_model_scales_as_documented():
+    c = MarathonConfig.from_preset("learner-bench")
+    one = learner_memory_bytes(c, 65536)
+    assert learner_memory_bytes(c, 4 * 65536)["saved_activations"] == 4 * one["saved_activations"]
+    z3 = learner_memory_bytes(c, 65536, zero_stage=3, dp=4)
+    for k in ("weights", "grads", "optimizer"):
+        assert z3[k] == pytest.approx(one[k] / 4, rel=1e-6)
+    assert learner_memory_bytes(c, 4 * 65536, cp=4)["saved_activations"] == one["saved_activations"]
+    assert one["total"] == sum(v for k, v in one.items() if k != "total")
