@@ -1,6 +1,9 @@
 """`marathon bench memory`: decoding-cache bytes per sequence for full MHA, GQA, MLA and the hybrid layout
 at 8K / 64K / 256K / 1M tokens, for the real-shape presets (formulas in model/memory.py, checked against
-real cache tensors in tests/test_model_memory.py). Prints a table, writes results.md and cache_bytes.png."""
+real cache tensors in tests/test_model_memory.py), and the learner's predicted memory per rank for one packed
+row of those lengths (weights, gradients, optimizer, saved activations with checkpointing, the largest layer's
+transient; ``model.memory.learner_memory_bytes``, printed beside measurements by `marathon bench learner`).
+Prints the tables, writes results.md and cache_bytes.png."""
 
 from __future__ import annotations
 
@@ -18,6 +21,11 @@ def register(subparsers) -> None:
     parser.add_argument("--sliding-variant", default="LSLG",
                         help="also show each preset with this L/S/G layout (sliding window = preset's)")
     parser.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached K/V/latent value (bf16: 2)")
+    parser.add_argument("--learner-presets", default="learner-bench,kimi-linear-48b-a3b",
+                        help="presets whose learner memory per rank is predicted (bf16, checkpointing)")
+    parser.add_argument("--zero-stage", type=int, default=3, help="ZeRO stage of the learner prediction")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (ZeRO shards over them)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks (a row is split over them)")
     parser.add_argument("--out", default="benchmarks/memory")
     parser.set_defaults(func=main)
 
@@ -51,6 +59,25 @@ def table(presets: list[str], sliding_variant: str, kv_bytes: int) -> dict[str, 
     return out
 
 
+def learner_lines(presets: list[str], zero_stage: int, dp: int, cp: int) -> list[str]:
+    """Markdown tables of the predicted learner memory per rank, one per preset."""
+    from model.config import MarathonConfig
+    from model.memory import learner_memory_bytes
+
+    lines = []
+    for name in presets:
+        cfg = MarathonConfig.from_preset(name)
+        pred = {label: learner_memory_bytes(cfg, tokens, zero_stage=zero_stage, dp=dp, cp=cp)
+                for label, tokens in LENGTHS.items()}
+        lines += [f"### learner memory per rank: {name} (bf16 + fp32 AdamW, ZeRO-{zero_stage}, DP {dp}, CP {cp}, "
+                  "gradient checkpointing; one packed row of each length)", "",
+                  "| part | " + " | ".join(LENGTHS) + " |", "|---" * (len(LENGTHS) + 1) + "|"]
+        lines += [f"| {part} | " + " | ".join(_fmt(pred[k][part]) for k in LENGTHS) + " |"
+                  for part in next(iter(pred.values()))]
+        lines.append("")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     import matplotlib
 
@@ -65,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
         lines += [f"### {preset}", "", "| design | " + " | ".join(LENGTHS) + " |", "|---" * (len(LENGTHS) + 1) + "|"]
         lines += [f"| {d} | " + " | ".join(_fmt(v[k]) for k in LENGTHS) + " |" for d, v in rows.items()]
         lines.append("")
+    lines += learner_lines([p for p in args.learner_presets.split(",") if p], args.zero_stage, args.dp, args.cp)
     text = "\n".join(lines)
     print(text)
 
