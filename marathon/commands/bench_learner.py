@@ -158,7 +158,8 @@ def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
     return out
 
 
-def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list) -> None:
+def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, save) -> None:
+    """Every case of one layout; ``save()`` after each, so a run cut short keeps what it measured."""
     import tempfile
 
     import torch
@@ -200,6 +201,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list) 
                 row["skipped"] = f"predicted {row['predicted_s']:.0f}s > --max-step-s {args.max_step_s:.0f}"
                 print(json.dumps(row), flush=True)
                 meta_rows.append(row)
+                save()
                 continue
         samples = _samples(lengths, config.vocab_size, seed=T)
         loss_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
@@ -218,6 +220,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list) 
             row["oom"] = str(e).split("\n")[0][:200]
             print(json.dumps(row), flush=True)
             meta_rows.append(row)
+            save()
             learner.engine.zero_grad()
             torch.cuda.empty_cache()
             continue
@@ -242,6 +245,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list) 
                 torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         meta_rows.append(row)
+        save()
         last = (T, dt)
     del learner
     if device.type == "cuda":
@@ -302,10 +306,14 @@ def main(args: argparse.Namespace) -> int:
                                                              if a not in ("bench", "learner"))}
     print(json.dumps(meta), flush=True)
     rows: list[dict] = []
-    for layout in args.layouts.split(","):
-        _run_layout(layout, args, peak, device, rows)
+
+    def save():
         (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "results.md").write_text(_markdown(meta, rows))
+        (out / "results.md").write_text(_markdown(meta, rows))
+
+    for layout in args.layouts.split(","):
+        _run_layout(layout, args, peak, device, rows, save)
+        save()
     print(_markdown(meta, rows))
     return 0 if any("seconds" in r for r in rows) else 1
 
