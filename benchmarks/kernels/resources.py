@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import triton
@@ -22,7 +23,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import kernels.gated_delta_triton as gdt  # noqa: E402
+from kernels.gated_delta_triton import chunk_bwd, chunk_fwd, fused_recurrent  # noqa: E402
+
+gdt = types.SimpleNamespace(**{**vars(chunk_fwd), **vars(chunk_bwd), **vars(fused_recurrent)})  # every kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

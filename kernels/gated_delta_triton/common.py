@@ -1,0 +1,73 @@
+"""Constants and tile helpers shared by the chunked gated-delta kernels (forward, backward, decode)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64  # chunk length
+BT = tl.constexpr(CHUNK)  # the same, as the kernels see it
+BC = tl.constexpr(16)  # sub-tile length: one reference row per 16 tokens keeps exp() finite
+G_MIN_SAFE = -5.5  # 15 steps * 5.5 = 82.5 < log(fp32 max) ~ 88.7
+FIRST = tl.constexpr(1)  # chunk_flags bits (packed rows): the chunk starts a sequence
+LAST = tl.constexpr(2)  # ... the chunk ends a sequence
+
+@triton.jit
+def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
+    """Pointers (or offsets, for an integer X) [R, C] to rows row0.. and columns col0.. of a row-major view
+    with row stride ``stride``, and the [R, 1] mask of the rows below ``n_rows``."""
+    o_r = row0 + tl.arange(0, R)
+    return X + o_r[:, None] * stride + col0 + tl.arange(0, C)[None, :], (o_r < n_rows)[:, None]
+
+
+@triton.jit
+def _load16(A, r0, c0, n, RS: tl.constexpr):
+    o = tl.arange(0, 16)
+    return tl.load(A + (r0 + o)[:, None] * RS + c0 + o[None, :], mask=((r0 + o) < n)[:, None], other=0.0)
+
+
+@triton.jit
+def _store16(X, b_x, r0, c0, n, RS: tl.constexpr):
+    o = tl.arange(0, 16)
+    tl.store(X + (r0 + o)[:, None] * RS + c0 + o[None, :], b_x, mask=((r0 + o) < n)[:, None])
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")  # exact fp32 (the inverse's small blocks)
+
+
+@triton.jit
+def _substitution_row(A, X, i, r0, n, RS: tl.constexpr):
+    """Row i of (I + A_bb)^-1's strictly lower part for the 16x16 diagonal block at rows/cols r0..r0+15,
+    given the rows before it in X: -A[i, :i] - A[i, :] X."""
+    o = tl.arange(0, 16)
+    b_a = -tl.load(A + (r0 + i) * RS + r0 + o, mask=(o < i) & (o * 0 + r0 + i < n), other=0.0)
+    b_a += tl.sum(b_a[:, None] * X, 0)
+    return tl.where((o == i)[:, None], b_a[None, :], X)
+
+
+@triton.jit
+def _diagonal_inverses16(A, n, RS: tl.constexpr):
+    """(I + A_bb)^-1 of the four 16x16 diagonal blocks of a strictly lower [BT, BT] tile at ``A`` (row stride
+    RS, ``n`` valid rows) by forward substitution, the four blocks in one loop so their rows overlap. 4 x [16, 16]."""
+    o = tl.arange(0, 16)
+    m_low = o[:, None] > o[None, :]
+    b_X0 = -tl.where(m_low, _load16(A, 0, 0, n, RS), 0.0)  # rows 0 and 1 of each block are final
+    b_X1 = -tl.where(m_low, _load16(A, 16, 16, n, RS), 0.0)
+    b_X2 = -tl.where(m_low, _load16(A, 32, 32, n, RS), 0.0)
+    b_X3 = -tl.where(m_low, _load16(A, 48, 48, n, RS), 0.0)
+    for i in range(2, 16):
+        b_X0 = _substitution_row(A, b_X0, i, 0, n, RS)
+        b_X1 = _substitution_row(A, b_X1, i, 16, n, RS)
+        b_X2 = _substitution_row(A, b_X2, i, 32, n, RS)
+        b_X3 = _substitution_row(A, b_X3, i, 48, n, RS)
+    b_I = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    return b_X0 + b_I, b_X1 + b_I, b_X2 + b_I, b_X3 + b_I
+
+
+def _prec(x: torch.Tensor) -> str:
+    """fp32 inputs get exact fp32 dots (the reference tolerance). For 16-bit inputs, dots of 16-bit operands
+    run as bf16/fp16 on the tensor cores and dots of fp32 operands (the pair products) as tf32."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
