@@ -22,7 +22,12 @@ from learner.losses import policy_loss
 from learner.packing import MicroBatch, Sample, make_micro_batches
 from marathon.dist import init_single_process_group
 
-STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl")
+STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl", "mismatch")
+
+
+def _accumulate(sums: dict[str, float], key: str, v: float) -> None:
+    """Token sums add up; ``*_max`` statistics (learner.losses) take the max."""
+    sums[key] = max(sums.get(key, 0.0), v) if key.endswith("_max") else sums.get(key, 0.0) + v
 
 
 def load_causal_lm(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -141,7 +146,7 @@ class Learner:
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
             self.engine.step()
             for key, v in {"loss": float(loss_sum.detach()), **stats}.items():
-                sums[key] = sums.get(key, 0.0) + v
+                _accumulate(sums, key, v)
         self.updates += 1
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
@@ -171,7 +176,7 @@ class Learner:
                 return out.loss_sum, out.stats
 
             for k, v in self._update(mbs, loss_fn, temperature).items():
-                totals[k] = totals.get(k, 0.0) + v
+                _accumulate(totals, k, v)
         return self._summarise(totals, U)
 
     def train_sft(self, samples: list[Sample], lr: float | None = None) -> dict[str, float]:
@@ -190,7 +195,8 @@ class Learner:
         out = {"loss": sums["loss"] / tokens, "grad_norm": sums["grad_norm"] / updates, "tokens": sums["tokens"]}
         for k in STAT_KEYS[1:]:
             if k in sums:
-                out[{"clipped": "clip_frac", "masked": "masked_frac"}.get(k, k)] = sums[k] / tokens
+                out[{"clipped": "clip_frac", "masked": "masked_frac", "mismatch": "mismatch_mean"}.get(k, k)] = sums[k] / tokens
+        out.update({k: v for k, v in sums.items() if k.endswith("_max")})
         return out
 
     @staticmethod

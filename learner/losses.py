@@ -10,8 +10,16 @@ i.e. the same weights the rollout used), pi_rollout (the logprobs the rollout en
   is_w   = min(pi_old / pi_rollout, tis_cap)                truncated importance weight (engine mismatch), no grad
   keep   = low <= pi_old / pi_rollout <= high               tokens outside ``ratio_mask`` are dropped
   loss_t = -min(ratio * A, clip(ratio) * A) * is_w * keep + kl_coef * k3(pi, pi_ref)
-where k3 = exp(ref - logp) - (ref - logp) - 1. Only model tokens (loss_mask == 1) count; the caller divides the
+where k3 = exp(ref - logp) - (ref - logp) - 1. The engine mismatch |pi_old - pi_rollout| (log space) is reported
+per step: its sum and max over model tokens (``mismatch``, ``mismatch_max``) beside the masked count. Only model tokens (loss_mask == 1) count; the caller divides the
 summed loss by the number of model tokens of the whole update (token-level mean, as in DAPO).
+
+Async rollouts (decoupled PPO, as in AReaL): pi_rollout is each token's OWN behaviour logprob, from the policy
+version that sampled it (an episode whose weights changed mid-way holds tokens of several versions), and pi_old
+is the learner's current policy (the proximal policy). ``loss.is_level: segment`` truncates the importance
+weight per behaviour segment (the tokens of one sample sampled by one version, ``MicroBatch.segment_ids``)
+instead of per token: the segment's weight is the geometric mean of its tokens' pi_old / pi_rollout, capped at
+``tis_cap``, and ``ratio_mask`` keeps or drops the whole segment on that mean.
 """
 
 from __future__ import annotations
@@ -45,14 +53,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo",
 @dataclass
 class LossOutput:
     loss_sum: torch.Tensor  # scalar: summed over kept model tokens (divide by the update's model-token count)
-    stats: dict[str, float]  # sums over model tokens: clipped, masked, ratio, is_weight, kl; and "tokens"
+    stats: dict[str, float]  # sums over model tokens: clipped, masked, ratio, is_weight, kl, mismatch; "tokens";
+    # and mismatch_max, a max over model tokens
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cfg: LossSection, ref_logp: torch.Tensor | None = None) -> LossOutput:
-    """All inputs are per token with the same shape (e.g. [T] of a packed row); mask is 1 on model tokens."""
+                mask: torch.Tensor, cfg: LossSection, ref_logp: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> LossOutput:
+    """All inputs are per token with the same shape (e.g. [T] of a packed row); mask is 1 on model tokens.
+    ``segments`` (long, same shape, -1 off the mask): behaviour segment ids, used when ``cfg.is_level`` is
+    "segment"."""
     mask = mask.to(logp.dtype)
     old_logp, rollout_logp = old_logp.detach(), rollout_logp.detach()
+    behaviour_logp = rollout_logp  # each token's own, for the mismatch statistic
+    if getattr(cfg, "is_level", "token") == "segment" and segments is not None:
+        rollout_logp = _segment_mean_logratio(old_logp - rollout_logp, mask, segments, old_logp)
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)  # pessimistic bound
@@ -69,6 +84,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.
         kl = torch.exp(d) - d - 1
         token_loss = token_loss + cfg.kl_coef * kl * mask
     with torch.no_grad():
+        mismatch = (old_logp - behaviour_logp).abs() * mask  # |dlogprob| learner vs rollout, model tokens
         was_clipped = (ratio * advantages > clipped * advantages).to(mask.dtype)
         stats = {
             "tokens": float(mask.sum()),
@@ -77,5 +93,22 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.
             "ratio": float((ratio * mask).sum()),
             "is_weight": float((weight * mask).sum()),
             "kl": float((kl * mask).sum()),
+            "mismatch": float(mismatch.sum()),
+            "mismatch_max": float(mismatch.max()) if mismatch.numel() else 0.0,
         }
     return LossOutput((token_loss * mask).sum(), stats)
+
+
+def _segment_mean_logratio(logratio: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor,
+                           old_logp: torch.Tensor) -> torch.Tensor:
+    """A stand-in for pi_rollout that makes every token's log(pi_old / pi_rollout) its segment's mean: the
+    per-token weight and mask formulas then act per segment."""
+    flat_seg, flat_lr, flat_m = segments.reshape(-1), logratio.reshape(-1), mask.reshape(-1)
+    on = (flat_seg >= 0) & (flat_m > 0)
+    idx = torch.where(on, flat_seg, torch.zeros_like(flat_seg))
+    n = int(idx.max()) + 1 if bool(on.any()) else 1
+    sums = torch.zeros(n, dtype=flat_lr.dtype, device=flat_lr.device).index_add_(0, idx, flat_lr * on)
+    counts = torch.zeros(n, dtype=flat_lr.dtype, device=flat_lr.device).index_add_(0, idx, on.to(flat_lr.dtype))
+    mean = (sums / counts.clamp(min=1))[idx]
+    seg_lr = torch.where(on, mean, flat_lr).reshape(logratio.shape)
+    return old_logp - seg_lr
