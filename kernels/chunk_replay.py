@@ -28,6 +28,8 @@ import torch
 # entry, with the same arguments, as the learner's forward
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
+CHUNK_SIZE = 64  # kernels.gated_delta_rule's default chunk, the learner's
+
 
 def tail_width(head_k_dim: int, head_v_dim: int) -> int:
     """Features per head of one tail row: q, k, g (K each), v (V), beta (1)."""
@@ -40,10 +42,10 @@ def pack_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def unpack_tokens(rows: torch.Tensor, head_k_dim: int, dtype: torch.dtype):
-    """Tail rows [n, H, F] -> (q, k, v in ``dtype``; g, beta fp32) with a batch dim: [1, n, H, .] / beta [1, n, H]."""
+    """Rows [B, n, H, F] -> (q, k, v in ``dtype``; g, beta fp32): [B, n, H, .], beta [B, n, H]."""
     K = head_k_dim
     V = rows.shape[-1] - 3 * K - 1
-    q, k, v, g, beta = rows[None].split([K, K, V, K, 1], dim=-1)
+    q, k, v, g, beta = rows.split([K, K, V, K, 1], dim=-1)
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta[..., 0]
 
 
@@ -56,7 +58,7 @@ def chunk_replay(
     beta: torch.Tensor,
     state: torch.Tensor | None,
     tail: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Appends n new tokens of one sequence and returns their outputs as the whole-sequence chunked forward gives them.
 
@@ -73,10 +75,37 @@ def chunk_replay(
     full = rows.shape[0] - rows.shape[0] % chunk_size  # tokens in whole chunks: they move the boundary
     outs = []
     if full:
-        o, state = chunk_fn(*unpack_tokens(rows[:full], K, v.dtype), initial_state=state, output_final_state=True)
+        o, state = chunk_fn(*unpack_tokens(rows[None, :full], K, v.dtype), initial_state=state, output_final_state=True)
         outs.append(o)
     if full < rows.shape[0]:
-        o, _ = chunk_fn(*unpack_tokens(rows[full:], K, v.dtype), initial_state=state, output_final_state=False)
+        o, _ = chunk_fn(*unpack_tokens(rows[None, full:], K, v.dtype), initial_state=state, output_final_state=False)
         outs.append(o)
     o = torch.cat(outs, dim=1)[:, r:]  # [1, n, H, V]: the tail's outputs were returned when it was appended
     return o, state, rows[full:]
+
+
+def chunk_replay_decode(
+    chunk_fn: ChunkFn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    tails: list[torch.Tensor],
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunk_replay`` for one new token of each of B sequences, in one kernel call: the rows (tail + token) are
+    right-padded with zeros to the longest; padding comes after every real token, so it changes no real output.
+
+    q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; states [B, H, K, V] fp32 (boundary states); tails: B tensors
+    [r_b, H, F]. Returns (o [B, H, V] in v.dtype, boundary states (advanced for rows whose token completed a
+    chunk), new tails)."""
+    rows = [torch.cat([t, pack_tokens(*(x[b : b + 1] for x in (q, k, v, g, beta)))]) for b, t in enumerate(tails)]
+    lengths = torch.tensor([r.shape[0] for r in rows], device=q.device)  # [B], each <= chunk_size
+    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, m, H, F]
+    o, final = chunk_fn(*unpack_tokens(padded, q.shape[-1], v.dtype), initial_state=states, output_final_state=True)
+    out = o[torch.arange(len(rows), device=q.device), lengths - 1]  # [B, H, V]
+    full = lengths == chunk_size  # [B]: the row is one whole chunk, its final state is the next boundary's
+    states = torch.where(full[:, None, None, None], final, states)
+    return out, states, [r[:0] if f else r for r, f in zip(rows, full.tolist())]

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.chunk_replay import chunk_replay, tail_width
+from kernels.chunk_replay import chunk_replay, chunk_replay_decode, tail_width
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is much faster on the shared cores
 
 # the learner's call: the bounded gate's logits go into the kernel (model.attention.linear)
 CHUNK_FN = functools.partial(kernels.gated_delta_rule, bounded_gate=True, gate_lower_bound=-5.0)
@@ -72,3 +74,19 @@ def test_full_tail_is_refused():
     xs = inputs(1, torch.float32)
     with pytest.raises(ValueError, match="since the last chunk boundary"):
         chunk_replay(CHUNK_FN, *xs, None, torch.zeros(64, 2, tail_width(16, 32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_equals_whole_sequence_forward(dtype):
+    """Three sequences decoding together, at different offsets in their chunks (one completes a chunk)."""
+    prefills = [63, 10, 100]
+    seqs = [inputs(n + 3, dtype, seed=i) for i, n in enumerate(prefills)]
+    carried = [replay(tuple(x[:, :n] for x in xs), [n]) for xs, n in zip(seqs, prefills)]
+    states = torch.cat([c[1] if c[1] is not None else torch.zeros(1, 2, 16, 32) for c in carried])
+    tails = [c[2] for c in carried]
+    for step in range(3):
+        tok = [tuple(x[0, n + step] for x in xs) for xs, n in zip(seqs, prefills)]
+        o, states, tails = chunk_replay_decode(CHUNK_FN, *(torch.stack(t) for t in zip(*tok)), states, tails)
+        for b, (xs, n) in enumerate(zip(seqs, prefills)):
+            ref, _ = CHUNK_FN(*(x[:, : n + step + 1] for x in xs))
+            assert torch.equal(o[b], ref[0, -1]), (b, step)
