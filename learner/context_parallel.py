@@ -26,7 +26,8 @@ owns the tokens. Each gathered tensor is tied into the layer's output (`_Tie`), 
 collective's backward, in the reverse order of the forward, whether or not its shard used what it gathered.
 Parameter gradients are per-shard partial sums: sum them over the CP group (`all_reduce_gradients`, or fold
 the CP ranks into the data-parallel gradient reduction with the loss scaled by the CP size when that
-reduction averages); normalise the loss by the whole row's token count (`ContextParallel.sharded` keeps it).
+reduction averages); normalise the loss by the whole row's token count (the unsharded ``mb.num_loss_tokens``),
+not the shard's.
 
 Shards are equal (all-gathers of equal sizes): a row whose length is not a multiple of the CP size gets a padding
 sequence at its end (masked out of the loss). Load: causal attention makes later ranks' MLA work larger (no
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels.transition import add_incoming, fold_incoming, shard_pass
 
@@ -310,7 +312,8 @@ class ContextParallel:
     @contextmanager
     def sharded(self, mb, pad_id: int = 0) -> Iterator[Any]:
         """This rank's slice of a packed micro-batch (padded to a multiple of the CP size), with the mixers
-        CP-aware; the local batch's ``num_loss_tokens`` stays that of the whole row (normalise losses by it)."""
+        CP-aware. Its per-token tensors are the shard's: normalise losses by the whole row's
+        ``mb.num_loss_tokens``."""
         full = pad_micro_batch(mb, self.size, pad_id)
         shard = shard_row(full.cu_seqlens, self.rank, self.size)
         local = shard_micro_batch(full, shard)
@@ -363,10 +366,11 @@ def _linear_forward(self, cp: ContextParallel, x, cache=None, pos_in_seg=None, c
     q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
     k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
     v = v.view(B, T, H, V)
-    g = self.decay(x)
     beta = torch.sigmoid(self.b_proj(x).float())
-    run = shard_pass(q, k, v, g, beta, shard.cu_seqlens, shard.carried > 0,
-                     bounded_gate=self.gate_fn == "bounded" and self.g_min >= -5)
+    fused = self.gate_fn == "bounded" and self.g_min >= -5  # as the module: bounded-gate logits go to the kernel
+    g = self.gate_logits(x) if fused else self.decay(x)
+    run = shard_pass(q, k, v, g, beta, shard.cu_seqlens, shard.carried > 0, bounded_gate=fused,
+                     gate_lower_bound=self.g_min if fused else None)
     states = all_gather(torch.cat([run.M, run.h_ext], dim=-1), cp.comm, dim=0)  # [size, H, K, K + V] fp32
     h_in = fold_incoming(states[..., :K], states[..., K:], shard.rank)  # [H, K, V]
     o = _Tie.apply(add_incoming(run.o, run.q_eff, h_in), states)
@@ -375,24 +379,47 @@ def _linear_forward(self, cp: ContextParallel, x, cache=None, pos_in_seg=None, c
     return self.o_proj(o.reshape(B, T, H * V))
 
 
+CARRIED_BLOCK_BYTES = 1 << 26  # fp32 mask bytes per block of queries of a carried sequence (64 MiB) ...
+CARRIED_MIN_BLOCK = 256  # ... unless that leaves fewer queries per block than this
+
+
 def _attend_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, carried: int, shard: Shard,
                   window: int | None) -> torch.Tensor:
     """Causal attention of the shard's queries q [B, Hq, T, d] over k/v [B, Hkv, carried + T, d]: the first
-    sequence's ``carried`` earlier tokens, then the shard's own. Each sequence runs through the model's own
-    `attend`; the first one as a square causal problem whose first ``carried`` queries are zeros and dropped
-    (no [T, carried + T] mask)."""
+    sequence's ``carried`` earlier tokens, then the shard's own. Sequences that start in the shard go through
+    the model's own `attend` (packed, ``cu_seqlens``); a carried first sequence through `_attend_carried`."""
     from model.attention.sdpa import attend
 
     T, first = q.shape[2], shard.first_len
     span = carried + first
-    q0 = q[:, :, :first]
     if carried:
-        q0 = torch.cat([q0.new_zeros(*q0.shape[:2], carried, q0.shape[-1]), q0], dim=2)
-    parts = [attend(q0, k[:, :, :span], v[:, :, :span], 0, window)[:, :, carried:]]
+        parts = [_attend_carried(q[:, :, :first], k[:, :, :span], v[:, :, :span], carried, window)]
+    else:
+        parts = [attend(q[:, :, :first], k[:, :, :first], v[:, :, :first], 0, window)]
     if first < T:
         rest = shard.cu_seqlens[1:] - first
         parts.append(attend(q[:, :, first:], k[:, :, span:], v[:, :, span:], 0, window, rest))
     return torch.cat(parts, dim=2)
+
+
+def _attend_carried(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, carried: int, window: int | None) -> torch.Tensor:
+    """q [B, Hq, n, d]: tokens carried .. carried + n - 1 of one sequence; k/v [B, Hkv, carried + n, d] from its
+    first token. Queries run in blocks, each over the keys it can see (all earlier ones, or the window) with
+    the explicit causal mask `attend` builds for an offset (``past``); each block is recomputed in the backward
+    (activation checkpointing), so no [n, carried + n] mask or score block outlives its block."""
+    from model.attention.sdpa import attend
+
+    n = q.shape[2]
+    elems = CARRIED_BLOCK_BYTES // 4
+    block = elems // (carried + n) if window is None else int(elems**0.5)  # a window's keys: block + window - 1
+    block = max(CARRIED_MIN_BLOCK, block)
+    out = []
+    for i in range(0, n, min(n, block)):
+        j = min(n, i + block)
+        lo = 0 if window is None else max(0, carried + i - window + 1)
+        args = (q[:, :, i:j], k[:, :, lo : carried + j], v[:, :, lo : carried + j], carried + i - lo, window)
+        out.append(checkpoint(attend, *args, use_reentrant=False) if torch.is_grad_enabled() else attend(*args))
+    return torch.cat(out, dim=2)
 
 
 def _sliding_forward(self, cp: ContextParallel, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):

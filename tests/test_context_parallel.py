@@ -132,8 +132,16 @@ def _reference(model, mb, weights):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _routing(model, mb) -> torch.Tensor:
+    """The experts one rank routes the row to, for both sides to replay (as the learner replays the rollout's):
+    without it a near-tie in a router's top-k, flipped by a 1e-7 difference, would change a token's experts."""
+    with torch.no_grad():
+        return copy.deepcopy(model)(input_ids=mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
+                                    return_routed_experts=True).routed_experts
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+    return float((a - b).detach().norm() / b.detach().norm().clamp(min=1e-30))
 
 
 def _assert_matches(logp, grads, ref_logp, ref_grads, tol=1e-5):
@@ -144,15 +152,19 @@ def _assert_matches(logp, grads, ref_logp, ref_grads, tol=1e-5):
 
 
 @pytest.mark.parametrize(
-    "lengths, size, window, connected",
+    "lengths, size, window, connected, block",
     [
-        ([40, 100, 30, 86], 2, 64, False),  # episodes straddle the cut; a shard holds several
-        ([40, 100, 30, 86], 4, 64, True),  # ranks' graphs joined: one backward (the single-device check)
-        ([3, 5, 8, 2, 6], 4, 13, False),  # 6-token shards: the 12-token window and the conv halo span shards
-        ([1, 2, 1, 4], 4, 64, False),  # 2-token shards: the conv halo spans shards; a sequence starts a shard
+        ([40, 100, 30, 86], 2, 64, False, None),  # episodes straddle the cut; a shard holds several
+        ([40, 100, 30, 86], 4, 64, True, None),  # ranks' graphs joined: one backward (the single-device check)
+        ([40, 100, 30, 86], 4, 20, False, 5),  # carried sequences' attention in blocks of 5 queries
+        ([3, 5, 8, 2, 6], 4, 13, False, None),  # 6-token shards: the 12-token window and the conv halo span shards
+        ([1, 2, 1, 4], 4, 64, False, None),  # 2-token shards: the conv halo spans shards; a sequence starts a shard
     ],
 )
-def test_simulated_ranks_match_one_rank(one_thread, lengths, size, window, connected):
+def test_simulated_ranks_match_one_rank(one_thread, monkeypatch, lengths, size, window, connected, block):
+    if block is not None:
+        monkeypatch.setattr("learner.context_parallel.CARRIED_MIN_BLOCK", block)
+        monkeypatch.setattr("learner.context_parallel.CARRIED_BLOCK_BYTES", 4 * block)
     model = _tiny_model(sliding_window=window)
     mb = collate(_samples(lengths, model.config.vocab_size), list(range(len(lengths))), packed=True)
     weights = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(1))
@@ -196,47 +208,98 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_rank(rank: int, size: int, port: int, path: str, checkpointing: bool) -> None:
+def _gloo_rank(rank: int, world: int, port: int, path: str) -> None:
+    """One of 4 gloo processes: CP=4 over the world (gradient checkpointing on), then CP=2 over the pairs
+    {0, 1} and {2, 3}; rank 0 saves both results."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         data = torch.load(path, weights_only=False)
-        model = data["model"]
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        cp = ContextParallel(model)  # the default group: every rank of this world is a CP rank
-        with cp.sharded(data["mb"]) as local:
-            logp = token_logprobs(model, local, FORWARD_KWARGS, all_positions=True)
-            (logp * data["weights"][:, cp.shard.start : cp.shard.end]).sum().backward()
-        cp.all_reduce_gradients()
-        logp = cp.gather(logp.detach())
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        results = {}
+        for size, group, checkpointing in [(4, None, True), (2, pairs[rank // 2], False)]:
+            model = copy.deepcopy(data["model"])
+            if checkpointing:  # the recompute repeats the forward's collectives inside the backward
+                model.gradient_checkpointing_enable()
+            cp = ContextParallel(model, group)
+            with cp.sharded(data["mb"]) as local:
+                logp = token_logprobs(model, local, FORWARD_KWARGS, all_positions=True)
+                (logp * data["weights"][:, cp.shard.start : cp.shard.end]).sum().backward()
+            cp.all_reduce_gradients()
+            results[size] = {"logp": cp.gather(logp.detach()), "grads": {n: p.grad for n, p in model.named_parameters()}}
         if rank == 0:
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            torch.save({"logp": logp, "grads": grads}, path + ".out")
+            torch.save(results, path + ".out")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size, checkpointing", [(2, False), (4, True)])
-def test_gloo_ranks_match_one_rank_on_a_4k_packed_row(tmp_path, one_thread, size, checkpointing):
-    """CP=2 and CP=4 real processes (gloo), forward + backward, with routing replay and (CP=4) gradient
-    checkpointing, whose recompute repeats the collectives inside the backward."""
+def test_gloo_ranks_match_one_rank_on_a_4k_packed_row(tmp_path, one_thread):
+    """CP=4 and CP=2 as real processes (gloo), forward + backward with routing replay, against one rank."""
     import torch.multiprocessing as mp
 
     model = _tiny_model()
     mb = collate(_samples(ROW_LENGTHS, model.config.vocab_size), list(range(len(ROW_LENGTHS))), packed=True)
     assert mb.input_ids.shape[1] == 4096
-    with torch.no_grad():  # record the routing, replayed by both sides (as the learner replays the rollout's)
-        out = copy.deepcopy(model)(input_ids=mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens,
-                                   return_routed_experts=True)
-    mb.routed_experts = out.routed_experts
+    mb.routed_experts = _routing(model, mb)
     weights = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(1))
     ref_logp, ref_grads = _reference(model, mb, weights)
     path = str(tmp_path / "cp.pt")
     torch.save({"model": model, "mb": mb, "weights": weights}, path)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_gloo_rank, args=(size, _free_port(), path, checkpointing), nprocs=size, join=True)
-    got = torch.load(path + ".out", weights_only=False)
-    _assert_matches(got["logp"], got["grads"], ref_logp, ref_grads)
+    mp.spawn(_gloo_rank, args=(4, _free_port(), path), nprocs=4, join=True)
+    for size, got in torch.load(path + ".out", weights_only=False).items():
+        assert set(got["grads"]) == set(ref_grads), size
+        _assert_matches(got["logp"], got["grads"], ref_logp, ref_grads)
+
+
+# -- the GPU machine: the same maths through the Triton kernel (ranks simulated in one process) -------------------
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float32), (128, torch.float32), (128, torch.bfloat16)])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_cuda_state_passing_through_the_triton_kernel(mark, size, dim, dtype):
+    """Shard runs on augmented values (width 2 * dim: 128 or 256, both Triton head sizes) + fold + correction
+    against one Triton run over the packed row: outputs and input gradients, on a 16K-token row."""
+    T, cu = 16384, [0, 3000, 4096, 4100, 11000, 16384]
+    inputs = [x.cuda().to(dtype).requires_grad_() for x in _delta_inputs(T, H=4, K=dim, V=dim, dtype=torch.float32, decay=5.0)]
+    q, k, v, logits, beta = inputs  # bounded gate: g = -5 * sigmoid(logits), fused in the kernel
+    kw = dict(bounded_gate=True, gate_lower_bound=-5.0)
+    w = torch.randn(1, T, 4, dim, device="cuda")
+    ref, _ = gated_delta_rule(*inputs, cu_seqlens=torch.tensor(cu, device="cuda"), output_final_state=True, **kw)
+    ref_grads = torch.autograd.grad((ref.float() * w).sum(), inputs)
+    runs = [shard_pass(*(x[:, sl] for x in inputs), lcu.cuda(), carries, **kw) for sl, lcu, carries in _shards(cu, T, size)]
+    M, h = torch.cat([r.M for r in runs]), torch.cat([r.h_ext for r in runs])
+    assert M.dtype == torch.float32 and h.dtype == torch.float32
+    o = torch.cat([add_incoming(r.o, r.q_eff, fold_incoming(M, h, j)) for j, r in enumerate(runs)], dim=1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert _rel(o.float(), ref.float()) < tol
+    for got, want in zip(torch.autograd.grad((o.float() * w).sum(), inputs), ref_grads):
+        assert _rel(got.float(), want.float()) < tol
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_cuda_simulated_ranks_match_one_rank_on_a_4k_row(mark):
+    """The tiny hybrid model on CUDA (KDA through the Triton kernel), CP=4 as threads whose graphs join, fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _tiny_model().cuda()
+    mb = collate(_samples(ROW_LENGTHS, model.config.vocab_size), list(range(len(ROW_LENGTHS))), packed=True).to("cuda")
+    mb.routed_experts = _routing(model, mb)
+    weights = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    ref_logp, ref_grads = _reference(model, mb, weights)
+    replicas = [copy.deepcopy(model) for _ in range(4)]
+
+    def rank_main(rank, comm):
+        cp = ContextParallel(replicas[rank], comm=comm)
+        with cp.sharded(mb) as local:
+            logp = token_logprobs(replicas[rank], local, FORWARD_KWARGS, all_positions=True)
+            return logp, (logp * weights[:, cp.shard.start : cp.shard.end]).sum()
+
+    results = simulate(4, rank_main, connected=True)
+    sum(loss for _, loss in results).backward()
+    grads = {n: sum(dict(r.named_parameters())[n].grad for r in replicas) for n in ref_grads}
+    _assert_matches(torch.cat([lp for lp, _ in results], 1).detach(), grads, ref_logp, ref_grads, tol=1e-4)
