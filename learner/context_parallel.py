@@ -287,6 +287,11 @@ class ContextParallel:
     def size(self) -> int:
         return self.comm.size
 
+    def __deepcopy__(self, memo) -> "ContextParallel":
+        """A deep copy of a patched model (e.g. the learner's KL reference) shares this CP (its group and its
+        active shard): the copy's mixers run CP-aware inside the same ``sharded`` block."""
+        return self
+
     def _dispatch(self, module: nn.Module, fn: Callable, *args, **kwargs):
         if self.shard is None:  # not inside `activate` / `sharded`: the module's own forward
             return type(module).forward(module, *args, **kwargs)

@@ -193,6 +193,9 @@ def test_mixers_run_their_own_forward_outside_a_shard():
     want = model(input_ids=ids).logits
     cp = simulate(1, lambda rank, comm: ContextParallel(model, comm=comm))[0]
     torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=0)
+    reference = copy.deepcopy(model)  # a patched model copies (the learner's KL reference) and shares the CP
+    mixer = reference.model.layers[0].self_attn
+    assert mixer.forward.func.__self__ is cp and mixer.forward.args[0] is mixer
     cp.remove()
     assert all("forward" not in vars(m) for m in model.modules())
 
