@@ -45,6 +45,10 @@ class ModelSection(_Section):
 class EnvSection(_Section):
     id: str  # a gymnasium id, e.g. marathon/Arithmetic-v0
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to envs.make
+    # Tool code of envs that run it (code sandbox, untrusted dataset tools/verifiers) runs behind a kernel
+    # boundary (envs/sandbox.py); where it cannot be built the run refuses to start unless this is "weak":
+    # a subprocess and an audit hook only, not a security boundary against the policy
+    sandbox: Literal["kernel", "weak"] = "kernel"
 
 
 class RolloutSection(_Section):

@@ -1,5 +1,6 @@
 """Sandboxed code/file tasks: files in a fresh temporary directory, a ``run_python`` tool (``envs/sandbox.py``:
-subprocess, time and memory limits, no network) and a question about the files.
+a kernel boundary of namespaces, seccomp and rlimits; time, memory and disk limits; no network) and a question
+about the files.
 
 Task kinds: ``sum`` (sum of numbers.txt), ``count`` (occurrences of a word in words.txt), ``sort`` (write
 names.txt sorted to sorted.txt, then answer ``done``; graded on the file), ``csv_total`` (total of the value
@@ -52,6 +53,8 @@ ORACLE_CODE = {
 
 
 class CodeSandboxEnv(ToolEnv):
+    uses_sandbox = True  # a run refuses to start where the sandbox's kernel boundary cannot be built (envs/sandbox.py)
+
     def __init__(self, difficulty: Literal["easy", "medium", "hard"] = "easy", **overrides: Any) -> None:
         cfg = resolve_config(PRESETS, difficulty, overrides)
         if not cfg.kinds or set(cfg.kinds) - set(KINDS) or cfg.n_items < 1 or cfg.n_files < 1:

@@ -67,11 +67,16 @@ def _reward_path(cfg: RunConfig, config_path: Path) -> Path:
 
 def _check_env(env_id: str, kwargs: dict[str, Any], where: str) -> None:
     import envs
+    from envs.sandbox import SandboxUnavailable, env_uses_sandbox, require_kernel_boundary
 
     try:
         env = envs.make(env_id, **kwargs)
+        if env_uses_sandbox(env):  # tool code needs the sandbox's kernel boundary (or env.sandbox: weak)
+            require_kernel_boundary()
     except envs.UnknownEnvError as e:
         raise ConfigError(f"{where}: env.id: {e}") from None
+    except SandboxUnavailable as e:  # also raised while making an env that loads untrusted tools in the sandbox
+        raise ConfigError(f"{where}: env.sandbox: {e}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: env.kwargs {kwargs}: {e}") from None
     try:
@@ -104,6 +109,9 @@ def prepare(config_path: str | Path, overrides: dict[str, Any] | None = None) ->
     except RewardConfigError as e:
         raise ConfigError(f"{path}: rewards: {e}") from None
     stages = cfg.resolved_stages()
+    from envs.sandbox import allow_weak
+
+    allow_weak(cfg.env.sandbox == "weak")  # only the config opts into the sandbox's weaker mode
     for stage in stages:
         _check_env(cfg.env.id, stage.env_kwargs, f"{path} (stage {stage.name})" if cfg.stages else str(path))
     _check_model(cfg.model, str(path))
@@ -457,6 +465,9 @@ class Trainer:
             self._say(f"resuming {self.out} at step {state.step} (stage {stages[state.stage_index].name}, "
                       f"stage step {state.stage_step}, policy version {state.version})")
         t_start = time.perf_counter()
+        from envs.sandbox import isolation
+
+        self._say(isolation().summary)  # what confines tool code in this run
         start_ray()
         try:
             while state.stage_index < len(stages):

@@ -12,6 +12,22 @@ VENV=${MARATHON_VENV:-.venv}
 PY=${PYTHON:-python3}
 LOCK=requirements/cpu.lock
 
+# The code sandbox's kernel boundary (envs/sandbox.py) is bubblewrap: install the Debian package where apt-get
+# works (as root, or through passwordless sudo). Without it, runs whose env runs tool code refuse to start
+# unless their config says `env.sandbox: weak` (envs/README.md, "Sandbox").
+if ! command -v bwrap >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && SUDO="sudo -n"; } || true
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
+    echo "[bootstrap] installing bubblewrap (the code sandbox's kernel boundary)"
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null; } \
+      || echo "[bootstrap] warning: could not install bubblewrap; runs using code tools will refuse to start"
+  else
+    echo "[bootstrap] note: bubblewrap (bwrap) is not installed and apt-get is not usable here; runs using code" \
+         "tools will refuse to start (install bubblewrap, or see env.sandbox in envs/README.md)"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "Marathon needs Python >= 3.11, found " + sys.version' 
   echo "[bootstrap] creating $VENV"
