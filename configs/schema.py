@@ -64,6 +64,9 @@ class RolloutSection(_Section):
     # vLLM's per-step token budget. On CPU, seeded sampling fails when a prompt's prefill is chunked over steps
     # (vLLM rewinds the request's generator, which CPU generators cannot do): make it cover a whole batch.
     max_num_batched_tokens: int | None = Field(None, ge=16)
+    # Marathon model: linear layers decode by replaying the chunk kernel from the last fp32 chunk-boundary state
+    # (kernels/chunk_replay.py), so rollout logprobs equal the learner's; slower decode (benchmarks/parity)
+    exact_linear_decode: bool = False
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     num_cpus_per_worker: float = Field(1.0, ge=0)

@@ -154,7 +154,10 @@ def rope_overrides(model_dir: Path, stage: Stage) -> dict[str, Any]:
 
 def _engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
     n = cfg.rollout.max_num_batched_tokens
-    return {"max_num_batched_tokens": n} if n else {}
+    out: dict[str, Any] = {"max_num_batched_tokens": n} if n else {}
+    if cfg.rollout.exact_linear_decode:  # read by the vLLM plugin (rollout/vllm_plugin/linear_attention.py)
+        out["hf_overrides"] = {"linear_exact_decode": True}
+    return out
 
 
 def derive_seed(*parts: int) -> int:

@@ -19,19 +19,29 @@ import torch
 from torch import nn
 from vllm.config import CacheConfig
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from model.config import MarathonConfig
+from model.norm import RMSNorm
+from model.rope import RotaryEmbedding, apply_rotary
 
 
-def _rope(config: MarathonConfig, dim: int):
-    return get_rope(
-        dim,
-        max_position=config.max_position_embeddings,
-        is_neox_style=True,  # rotate-half, as model/rope.py
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-    )
+class _Rope(nn.Module):
+    """The learner's rotary embedding (model/rope.py: fp32 angles and rotation, rotate-half), on vLLM's flat
+    token layout; vLLM's own rotary layer rotates with a table in the model dtype."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.rotary = RotaryEmbedding(dim, theta)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """positions [N]; each x [N, heads * dim] -> rotated, same shape and dtype."""
+        cos, sin = self.rotary(positions[None])  # [1, N, dim] fp32
+        dim = cos.shape[-1]
+        return tuple(apply_rotary(x.view(1, x.shape[0], -1, dim), cos, sin).view_as(x) for x in xs)
+
+
+def _rope(config: MarathonConfig, dim: int) -> _Rope:
+    return _Rope(dim, config.rope_theta)
 
 
 def _check_cpu_head_size(head_size: int) -> None:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -31,6 +30,7 @@ from vllm.sequence import IntermediateTensors
 
 from model.attn_residual import AttnResidualMix
 from model.config import MarathonConfig
+from model.norm import RMSNorm  # the learner's cast order (weight applied in fp32), not vLLM's
 from rollout.vllm_plugin.attention import MarathonLatentAttention, MarathonSlidingAttention
 from rollout.vllm_plugin.linear_attention import MarathonLinearAttention, linear_state_dtypes, linear_state_shapes
 from model.moe import SwiGLU
@@ -60,17 +60,14 @@ class MarathonDecoderLayer(nn.Module):
             self.attn_res = AttnResidualMix(D, eps) if layer_idx > 0 else None
             self.mlp_res = AttnResidualMix(D, eps)
 
-    def mix(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.self_attn(x) if self.kind == "L" else self.self_attn(positions, x)
-
     def forward(self, positions, hidden, blocks):
         """As `model.modeling.DecoderLayer.forward`, on [N, D] tokens."""
         if blocks is None:
-            hidden = hidden + self.mix(positions, self.input_layernorm(hidden))
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         sources = blocks if hidden is None else [*blocks, hidden]
         h = sources[0] if self.attn_res is None else self.attn_res(sources)
-        attn_out = self.mix(positions, self.input_layernorm(h))
+        attn_out = self.self_attn(positions, self.input_layernorm(h))
         partial = attn_out if hidden is None else hidden + attn_out
         h = self.mlp_res([*blocks, partial])
         return partial + self.mlp(self.post_attention_layernorm(h))
