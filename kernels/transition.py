@@ -89,6 +89,7 @@ def shard_pass(
     The first sequence runs on augmented values when it carries (module docstring); the others run as usual.
     """
     from kernels import gated_delta_rule  # the package entry: the fastest path for the inputs
+
     B, T, H, K = q.shape
     V = v.shape[-1]
     bounds = cu_seqlens.tolist()
@@ -120,9 +121,9 @@ def shard_pass(
 def fold_incoming(M: torch.Tensor, h_ext: torch.Tensor, rank: int, h0: torch.Tensor | None = None) -> torch.Tensor:
     """The state entering shard ``rank``: h_{j+1} = M_j h_j + h_ext_j from h_0 (zero when None).
 
-    M [R, H, K, K], h_ext [R, H, K, V] (every rank's, in rank order) -> [H, K, V] fp32. Differentiable in
-    all of them, so the incoming state's gradient reaches the earlier ranks' transitions and final states.
-    fp32 (fp64 for fp64 states)."""
+    M [R, H, K, K], h_ext [R, H, K, V] (every rank's, in rank order) -> [H, K, V] in fp32 (fp64 for fp64
+    states). Differentiable in all of them, so the incoming state's gradient reaches the earlier ranks'
+    transitions and final states."""
     acc = torch.promote_types(h_ext.dtype, torch.float32)
     h = h_ext.new_zeros(h_ext.shape[1:], dtype=acc) if h0 is None else h0.to(acc)
     for j in range(rank):

@@ -17,7 +17,8 @@ own forward. Every layer type crosses the cut exactly:
   many earlier shards as the halo spans (a window may cover several shards).
 - Gated MLA (G): an all-gather of the compressed latent (normed ``c_kv`` + the rope key: kv_lora_rank +
   qk_rope_head_dim values per token, far less than per-head K/V); keys/values of the shard's first sequence are
-  rebuilt from it locally; the shard's queries attend causally.
+  rebuilt from it locally; the shard's queries attend causally (a sequence carried in from earlier shards in
+  query blocks, `_attend_carried`, with no [T, carried + T] mask).
 - MoE, norms, block attention residuals, the LM head: token-local, run on the shard as is.
 
 Collectives are autograd Functions: all-gather in the forward, reduce-scatter of the gathered tensor's gradient
@@ -31,7 +32,7 @@ not the shard's.
 
 Shards are equal (all-gathers of equal sizes): a row whose length is not a multiple of the CP size gets a padding
 sequence at its end (masked out of the loss). Load: causal attention makes later ranks' MLA work larger (no
-zigzag reordering: the KDA state passing needs contiguous shards).
+zigzag reordering: contiguous shards keep the KDA state passing to one all-gather of one state per rank).
 
 Ranks run in separate processes (`DistComm` over a ``torch.distributed`` group: gloo on CPU, NCCL on GPU) or, for
 tests and single-device checks, as threads of one process (`simulate`).
