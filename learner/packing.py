@@ -3,6 +3,11 @@
 Per-token targets are aligned to the input position that predicts them: at position t of a segment the target is
 token t + 1, with that token's loss-mask bit, rollout logprob and the segment's advantage. The last position of a
 segment predicts nothing (mask 0), so no loss ever crosses a segment boundary.
+
+Behaviour segments: with per-token policy versions (async rollouts, weights updated mid-episode) the model tokens
+of one sample split into runs of equal version; ``MicroBatch.segment_ids`` numbers those runs (one id per run,
+unique in the micro-batch, -1 where nothing is predicted) for importance weights truncated per run
+(``learner.losses``, ``loss.is_level: segment``). Without versions a sample is one run.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class Sample:
     logprobs: list[float]  # rollout logprob of each token (0 where loss_mask is 0)
     advantage: float = 0.0
     routed_experts: list | None = None  # [L][num_moe_layers][top_k], when recorded
+    versions: list[int] | None = None  # policy version that sampled each token (-1 / ignored off the mask)
 
 
 @dataclass
@@ -35,6 +41,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B, T] float
     routed_experts: torch.Tensor | None  # [num_moe_layers, B * T, top_k] for routing replay
     segments: list[tuple[int, int, int]]  # (sample index, row, start) of each sample
+    segment_ids: torch.Tensor | None = None  # [B, T] long: behaviour segment (sample, version run) of each target
 
     @property
     def num_loss_tokens(self) -> int:
@@ -73,6 +80,22 @@ def _shifted(sample: Sample) -> tuple[list[int], list[float], list[float]]:
     return targets, mask, lps
 
 
+def _version_runs(sample: Sample, first_id: int) -> tuple[list[int], int]:
+    """Per predicting position (aligned like ``_shifted``): the id of the run of equal version its target token
+    belongs to (ids from ``first_id``; -1 where the target is no model token), and the next free id."""
+    n = len(sample.token_ids)
+    mask = list(sample.loss_mask[1:]) + [0]
+    vers = list(sample.versions[1:]) + [-1] if sample.versions is not None else [0] * n
+    out, nxt, prev = [-1] * n, first_id, None
+    for t in range(n):
+        if mask[t]:
+            if prev is None or vers[t] != prev:
+                nxt += 1
+                prev = vers[t]
+            out[t] = nxt - 1
+    return out, nxt
+
+
 def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int = 0) -> MicroBatch:
     """Build one micro-batch from ``samples[i] for i in indices``."""
     chosen = [samples[i] for i in indices]
@@ -87,6 +110,8 @@ def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int
     lmask = torch.zeros((rows, T))
     lps = torch.zeros((rows, T))
     adv = torch.zeros((rows, T))
+    seg = torch.full((rows, T), -1, dtype=torch.long)
+    next_seg = 0
     experts = None
     segments = []
     start = 0
@@ -101,6 +126,8 @@ def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int
         lmask[row, sl] = torch.tensor(mask)
         lps[row, sl] = torch.tensor(logps)
         adv[row, sl] = s.advantage
+        runs, next_seg = _version_runs(s, next_seg)
+        seg[row, sl] = torch.tensor(runs, dtype=torch.long)
         if replay:
             e = torch.tensor(s.routed_experts, dtype=torch.long)  # [n, M, k]
             if experts is None:
@@ -120,6 +147,7 @@ def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int
         advantages=adv,
         routed_experts=experts.flatten(1, 2) if experts is not None else None,
         segments=segments,
+        segment_ids=seg,
     )
 
 

@@ -1,7 +1,20 @@
-"""`marathon bench rollout`: generated tokens/s of the Ray + vLLM rollout path (``RolloutWorker`` actors) versus
-plain HF ``generate`` (one prompt at a time, and all prompts as one left-padded batch), on the same model, the
-same chat prompts (opening turns of a built-in env) and the same number of new tokens per prompt, in one run.
-Prints a table; writes results.md under ``--out``."""
+"""`marathon bench rollout`: rollout throughput, two ways.
+
+``--mode tokens`` (the default): generated tokens/s of the Ray + vLLM rollout path (``RolloutWorker`` actors)
+versus plain HF ``generate`` (one prompt at a time, and all prompts as one left-padded batch), on the same model,
+the same chat prompts (opening turns of a built-in env) and the same number of new tokens per prompt, in one run.
+Writes results.md under ``--out``.
+
+``--mode sync,async`` (or one of them): whole multi-turn episodes on an env (default the heavy-tailed
+``marathon/HeavyTail-v0``), the same episodes (env seeds) and config for each mode, side by side in one run.
+``sync`` is the lock-step path of a sync RL loop: batches of ``--batch`` episodes (one RL step's worth), each
+run by ``EpisodeRunner`` (all pending turns of a worker in one engine call, envs stepped when it returns), the
+next batch after the slowest episode of the previous one. ``async`` keeps ``--batch`` episodes in flight on
+``AsyncRolloutWorker`` (vLLM's async engine, one coroutine per episode, envs beside the engine) and starts the
+next episode as soon as one ends. Reports episodes/s, generated tokens/s, the engine's idle fraction (wall time
+with no request in the engine) and vLLM's prefix-cache hit rate (prompt tokens of later turns served from the
+cache); writes episodes.md and episodes.json under ``--out``. Engine start-up is not timed; each mode's
+engine runs alone."""
 
 from __future__ import annotations
 
@@ -35,10 +48,19 @@ TINY_DOC = {
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("rollout", help="generated tokens/s: Ray + vLLM workers vs HF generate")
-    parser.add_argument("--model", default="tiny-qwen3",
-                        help="HF checkpoint dir, or tiny-qwen3 / tiny-marathon (a fresh tiny random model)")
-    parser.add_argument("--env", default="marathon/Arithmetic-v0", help="env whose opening prompts are used")
+    parser = subparsers.add_parser("rollout", help="rollout throughput: vLLM vs HF generate (tokens), or whole "
+                                   "episodes sync vs async (--mode sync,async)")
+    parser.add_argument("--mode", default="tokens",
+                        help="tokens (vLLM vs HF generate), or sync / async / sync,async (whole episodes)")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint dir, or tiny-qwen3 / tiny-marathon (a fresh tiny random model); default "
+                        "tiny-qwen3 for --mode tokens, tiny-marathon for episodes")
+    parser.add_argument("--env", default=None, help="env: its opening prompts (tokens; default "
+                        "marathon/Arithmetic-v0) or its episodes (sync/async; default marathon/HeavyTail-v0)")
+    parser.add_argument("--env-kwargs", default="{}", help="episodes: env options as JSON, e.g. '{\"difficulty\": \"bench\"}'")
+    parser.add_argument("--episodes", type=int, default=256, help="episodes: how many (env seeds 0..N-1)")
+    parser.add_argument("--batch", type=int, default=64, help="episodes: per sync batch = in flight for async")
+    parser.add_argument("--max-context", type=int, default=2048, help="episodes: tokens per episode")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1, help="Ray rollout workers (prompts split among them)")
@@ -131,6 +153,143 @@ class RayVLLMPath:
 
 
 def main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    if modes == ["tokens"]:
+        args.model, args.env = args.model or "tiny-qwen3", args.env or "marathon/Arithmetic-v0"
+        return tokens_main(args)
+    if not modes or set(modes) - {"sync", "async"}:
+        print(f"--mode must be tokens, sync, async or sync,async; got {args.mode!r}", file=sys.stderr)
+        return 2
+    args.model, args.env = args.model or "tiny-marathon", args.env or "marathon/HeavyTail-v0"
+    return episodes_main(args, modes)
+
+
+def _episode_run(mode: str, model_dir: str, args: argparse.Namespace, specs: list, rollout) -> dict:
+    """One mode on fresh workers: (stats of) all ``specs`` run to the end, timed after engine start-up."""
+    import ray
+
+    from rollout.async_worker import AsyncRolloutWorker, EpisodeStream
+    from rollout.chat import ChatCodec
+    from rollout.runner import EpisodeRunner, EpisodeSpec, WorkerPool
+    from rollout.worker import RolloutWorker, WorkerConfig, spawn_worker
+
+    cfg = WorkerConfig(model=model_dir, dtype=args.dtype, max_model_len=args.max_context, enable_prefix_caching=True,
+                       max_num_seqs=max(256, args.batch))
+    cls = AsyncRolloutWorker if mode == "async" else RolloutWorker
+    t0 = time.perf_counter()
+    actors = [spawn_worker(cfg, cls=cls, num_cpus=args.cpus_per_worker, max_restarts=0) for _ in range(args.workers)]
+    ray.get([a.ready.remote() for a in actors])
+    startup = time.perf_counter() - t0
+    pool = WorkerPool(actors)
+    codec = None
+    if mode == "sync":
+        from transformers import AutoTokenizer
+
+        codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
+    warm = [EpisodeSpec(f"warm{i}", s.env_id, 10_000 + i, s.env_kwargs) for i, s in enumerate(specs[:4])]
+    if mode == "sync":
+        EpisodeRunner(pool, codec, rollout).run(warm)
+    else:
+        ray.get([a.run.remote(warm, rollout) for a in actors])
+    before = ray.get([a.stats.remote() for a in actors])
+    t0 = time.perf_counter()
+    trajs = []
+    if mode == "sync":  # one RL step's batch after another; each waits for its slowest episode
+        for lo in range(0, len(specs), args.batch):
+            trajs += EpisodeRunner(pool, codec, rollout).run(specs[lo : lo + args.batch])
+    else:  # --batch episodes in flight; a new one starts as soon as one ends
+        stream = EpisodeStream(pool, rollout, take_wait_s=0.2)
+        nxt = min(args.batch, len(specs))
+        stream.submit(specs[:nxt])
+        while stream.outstanding:
+            done = stream.poll(timeout_s=0.5)
+            trajs += done
+            if nxt < len(specs) and done:
+                more = specs[nxt : nxt + len(done)]
+                stream.submit(more)
+                nxt += len(more)
+    wall = time.perf_counter() - t0
+    after = ray.get([a.stats.remote() for a in actors])
+    for a in actors:
+        ray.kill(a)
+    delta = {k: sum(b[k] - a[k] for a, b in zip(before, after))
+             for k in ("busy_s", "prompt_tokens", "cached_tokens", "generated_tokens", "requests")}
+    model_tokens = sum(t.num_model_tokens for t in trajs)
+    return {
+        "mode": mode, "episodes": len(trajs), "wall_s": wall, "startup_s": startup,
+        "episodes_per_s": len(trajs) / wall, "gen_tokens_per_s": model_tokens / wall,
+        "engine_idle_frac": 1 - delta["busy_s"] / (wall * len(actors)),
+        "turns": sum(t.num_turns for t in trajs), "model_tokens": model_tokens,
+        "prefix_cache_hit": delta["cached_tokens"] / max(delta["prompt_tokens"], 1),
+        "prompt_tokens": delta["prompt_tokens"], "cached_tokens": delta["cached_tokens"],
+        "engine_requests": delta["requests"], "truncated": sum(t.truncated for t in trajs),
+    }
+
+
+def episodes_main(args: argparse.Namespace, modes: list[str]) -> int:
+    import json
+
+    import numpy as np
+    import ray
+
+    import envs
+    from rollout.runner import EpisodeSpec, RolloutConfig
+
+    load_before = os.getloadavg()[0]
+    env_kwargs = json.loads(args.env_kwargs)
+    specs = [EpisodeSpec(f"b{i}", args.env, seed=i, env_kwargs=env_kwargs) for i in range(args.episodes)]
+    env = envs.make(args.env, **env_kwargs)
+    shape = [env.reset(seed=s.seed)[1] for s in specs]
+    env.close()
+    turns = [i["num_questions"] for i in shape if "num_questions" in i]
+    digits = [d for i in shape for d in i.get("answer_digits", [])]
+    rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+    ray.init(num_cpus=args.workers * args.cpus_per_worker, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(TINY[args.model](Path(tmp) / args.model)) if args.model in TINY else args.model
+        for mode in modes:
+            results.append(_episode_run(mode, model_dir, args, specs, rollout))
+            print(json.dumps(results[-1]), flush=True)
+    ray.shutdown()
+
+    cmd = shlex.join(["marathon", "bench", *sys.argv[2:]]) if len(sys.argv) > 2 else "marathon bench rollout"
+    by = {r["mode"]: r for r in results}
+    speedup = (f" Async / sync: {by['async']['episodes_per_s'] / by['sync']['episodes_per_s']:.2f}x episodes/s, "
+               f"{by['async']['gen_tokens_per_s'] / by['sync']['gen_tokens_per_s']:.2f}x generated tokens/s."
+               if len(by) == 2 else "")
+    dist = (f" Task shape over these seeds: turns {min(turns)}-{max(turns)} (median {np.median(turns):g}), answer "
+            f"digits {min(digits)}-{max(digits)} (median {np.median(digits):g})." if turns else "")
+    lines = [
+        f"Command: `{cmd}`",
+        "",
+        f"Model: {TINY_DOC.get(args.model, args.model)}, {args.dtype}; env {args.env} {env_kwargs or ''}, "
+        f"{len(specs)} episodes (env seeds 0-{len(specs) - 1}), batch {args.batch} (sync: episodes per step, async: "
+        f"in flight), at most {args.max_new_tokens} tokens per turn (the env's per-question budget applies), "
+        f"{args.max_context} per episode, temperature 1.{dist} {args.workers} worker(s) x {args.cpus_per_worker} "
+        f"CPUs; {os.cpu_count()} CPUs on the machine, shared: 1-min load average {load_before:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end.{speedup}",
+        "",
+        "| mode | episodes | wall s | episodes/s | generated tokens/s | engine idle | prefix-cache hit (prompt tokens) "
+        "| engine requests | start-up s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['mode']} | {r['episodes']} | {r['wall_s']:.1f} | {r['episodes_per_s']:.2f} | "
+          f"{r['gen_tokens_per_s']:.0f} | {r['engine_idle_frac']:.1%} | {r['prefix_cache_hit']:.1%} "
+          f"({r['cached_tokens']} of {r['prompt_tokens']}) | {r['engine_requests']} | {r['startup_s']:.0f} |"
+          for r in results],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "episodes.md").write_text(text)
+    (out / "episodes.json").write_text(json.dumps({"command": cmd, "results": results}, indent=2))
+    return 0
+
+
+def tokens_main(args: argparse.Namespace) -> int:
     import ray
     import torch
 
