@@ -32,11 +32,15 @@ the triangular solve for ``(I + A)^-1``, ``A`` itself and the recurrent state ar
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 TILE = 16
+
+
+SEGMENT_TOKENS = 4096  # rows longer than this train segment by segment (kernels/gated_delta_segmented.py)
 
 
 def chunk_gated_delta_rule(
@@ -61,24 +65,63 @@ def chunk_gated_delta_rule(
     ``cu_seqlens`` (int64 [N + 1], B must be 1) packs N sequences along T; the state resets at each boundary
     and ``initial_state`` / the final state then have N rows. Returns (o [B, T, H, V] in v.dtype,
     final state [B or N, H, K, V] fp32 or None).
+
+    Memory is linear in T: packed sequences are laid out on chunk boundaries (each padded to a multiple of
+    ``chunk_size``, not to the longest), and a B = 1 row longer than ``SEGMENT_TOKENS`` that needs gradients
+    runs ``SEGMENT_TOKENS`` tokens at a time with the state carried across the cuts, each segment recomputed in
+    backward (``kernels.gated_delta_segmented``): the fp32 intermediates the backward keeps (a few hundred
+    bytes per token and head) then exist for one segment at a time.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, T = q.shape[:2]
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    if B == 1 and T > SEGMENT_TOKENS and grads:
+        from kernels.gated_delta_segmented import segmented_gated_delta_rule
+
+        return segmented_gated_delta_rule(
+            functools.partial(_segment, chunk_size=chunk_size, exact_diagonal=exact_diagonal), q, k, v, g, beta,
+            scale, initial_state, output_final_state, None, cu_seqlens, seg_tokens=SEGMENT_TOKENS,
+        )
+    return _rows(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, exact_diagonal)
+
+
+def _segment(q, k, v, g, beta, *, scale, initial_state, output_final_state, gate_lower_bound, cu_seqlens,
+             chunk_size, exact_diagonal):
+    """One segment for ``segmented_gated_delta_rule`` (its kernel signature; g is already the log-decay)."""
+    assert gate_lower_bound is None
+    return _rows(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, exact_diagonal)
+
+
+def _rows(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, exact_diagonal):
     if cu_seqlens is None:
         return _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
 
-    # Packed sequences -> a zero-padded batch [N, T_max, H, ...]. Padding tokens have k = 0, beta = 0 and
-    # g = 0 (no decay), so they leave the state untouched and the final state is each sequence's own.
-    bounds = cu_seqlens.tolist()
-    segments = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    padded = [pad_sequence([x[0, s] for s in segments], batch_first=True) for x in (q, k, v, g, beta)]
-    o, final_state = _chunked(*padded, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
-    lengths = torch.tensor([s.stop - s.start for s in segments], device=o.device)
-    valid = torch.arange(o.shape[1], device=o.device) < lengths[:, None]  # [N, T_max]
-    return o[valid].unsqueeze(0), final_state  # [1, T, H, V]
+    # Packed sequences laid end to end, each padded to a multiple of the chunk: [1, T', H, ...] with T' <= T +
+    # N (C - 1). Padding tokens have k = 0, beta = 0 and g = 0 (no decay), so they leave the state untouched;
+    # the state resets where each sequence's first chunk starts, and each final state is read after its last.
+    C = chunk_size
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + -(-n // C) * C)
+    shift = torch.tensor([s - lo for s, lo in zip(starts[:-1], bounds[:-1])], device=q.device)
+    dest = torch.arange(bounds[-1], device=q.device) + torch.repeat_interleave(
+        shift, torch.tensor(lengths, device=q.device))  # [T]: each token's place in the laid-out row
+
+    def lay(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(1, starts[-1], *x.shape[2:]).index_copy(1, dest, x)
+
+    o, final_state = _chunked(*(lay(x) for x in (q, k, v, g, beta)), scale, initial_state, output_final_state, C,
+                              exact_diagonal, seq_chunks=[s // C for s in starts])
+    return o.index_select(1, dest), final_state  # [1, T, H, V]
 
 
-def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal):
+def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal,
+             seq_chunks: list[int] | None = None):
+    """Rows of B sequences; or (``seq_chunks``, B = 1) one row of sequences laid out on chunk boundaries,
+    sequence i in chunks seq_chunks[i] .. seq_chunks[i + 1] - 1 (initial / final states: one row each)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -139,13 +182,22 @@ def _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_s
     k_to_end = k * _sum_after(g).exp()  # [B, H, N, C, K], decay from each token to the chunk end
     chunk_decay = gc[..., -1, :].exp().unsqueeze(-1)  # [B, H, N, K, 1]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)  # [B, H, K, V]
+    first = {} if seq_chunks is None else {n: i for i, n in enumerate(seq_chunks)}  # chunk -> sequence it starts
+    finals = []
     out = []
     for n in range(gc.shape[2]):
+        if n in first:  # a packed sequence starts: its own initial state
+            i = first[n]
+            S = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[i : i + 1].to(acc)
         u = U[:, :, n] - dot(W[:, :, n], S)  # [B, H, C, V], the values actually written
         out.append(dot(q_decayed[:, :, n], S) + dot(Aqk[:, :, n], u))  # [B, H, C, V]
         S = S * chunk_decay[:, :, n] + dot(k_to_end[:, :, n].transpose(-1, -2), u)
+        if n + 1 in first:
+            finals.append(S)
     o = torch.stack(out, dim=2) * scale  # [B, H, N, C, V]
     o = o.movedim(1, 3).reshape(B, T + pad, H, V)[:, :T]  # [B, T, H, V]
+    if seq_chunks is not None:
+        S = torch.cat(finals)  # [N, H, K, V]
     return o.to(v.dtype), (S if output_final_state else None)
 
 

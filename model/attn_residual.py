@@ -14,7 +14,6 @@ its own (it would only rescale w). Memory: O(N_blocks * d) per token instead of 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -25,10 +24,21 @@ class AttnResidualMix(nn.Module):
         self.query = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """sources: n tensors [B, T, D] -> their mix [B, T, D]."""
+        """sources: n tensors [B, T, D] -> their mix [B, T, D].
+
+        Computed source by source, without stacking them or their normalised copies ([n, B, T, D] each):
+        w . RMSNorm(v) = (w . v) * rsqrt(mean(v^2) + eps), so the backward keeps only the sources themselves
+        (alive anyway as block outputs) and [n, B, T] statistics. Equal to the stacked form up to rounding."""
         if len(sources) == 1:
             return sources[0]
-        V = torch.stack(sources, dim=0)  # [n, B, T, D]
-        keys = F.rms_norm(V.float(), (V.shape[-1],), eps=self.eps)
-        alpha = (keys @ self.query.float()).softmax(dim=0)  # [n, B, T]
-        return (alpha.unsqueeze(-1) * V.float()).sum(0).to(V.dtype)
+        w = self.query.float()
+        logits = torch.stack([self._logit(v.float(), w) for v in sources])  # [n, B, T]
+        alpha = logits.softmax(dim=0)
+        out = alpha[0, ..., None] * sources[0].float()
+        for a, v in zip(alpha[1:], sources[1:]):
+            out = out + a[..., None] * v.float()
+        return out.to(sources[0].dtype)
+
+    def _logit(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """w . RMSNorm(v) for v [B, T, D] fp32 -> [B, T]."""
+        return (v @ w) * torch.rsqrt(v.square().mean(-1) + self.eps)

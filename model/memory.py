@@ -104,3 +104,32 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
            "transient": transient}
     out["total"] = sum(out.values())
     return out
+
+
+def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp: int = 1, bf16: bool = True,
+                   checkpointing: bool = True) -> dict[str, int]:
+    """Predicted peak bytes of one rank of a learner group of ``ranks`` ranks (ZeRO shards over all of them,
+    data and context parallel alike: ``learner/dist.py``) training on packed rows of ``tokens`` tokens, each cut
+    over ``cp`` context-parallel ranks; any HF causal-LM config. Marathon configs use `learner_memory_bytes`;
+    other (dense) models the same state formula plus a transformer estimate of activations: saved layer inputs
+    [T, D] with checkpointing (else ~10 D + 3 F values per token and layer), one layer's recompute and the
+    chunked LM head as the transient. Keys as `learner_memory_bytes`."""
+    if isinstance(config, MarathonConfig):
+        return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        P = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    T, w = -(-tokens // cp), 2 if bf16 else 4
+    D, L = config.hidden_size, config.num_hidden_layers
+    F = getattr(config, "intermediate_size", 4 * D)
+    out = {
+        "weights": P * w // (ranks if zero_stage >= 3 else 1),
+        "grads": P * w // (ranks if zero_stage >= 2 else 1),
+        "optimizer": P * (8 + (8 if bf16 else 0)) // (ranks if zero_stage >= 1 else 1),
+        "saved_activations": L * T * D * w if checkpointing else L * T * (10 * D + 3 * F) * w,
+        "transient": max(2 * T * (4 * D + 3 * F) * w, 3 * HEAD_CHUNK * config.vocab_size * 4 + T * D * w),
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -26,7 +26,7 @@ from model.attention.conv import ShortConv
 from model.attn_residual import AttnResidualMix
 from model.cache import MarathonCache
 from model.config import MarathonConfig
-from model.moe import MoE, Router, Experts, SwiGLU
+from model.moe import MoE, Router, Experts, SwiGLU, new_forward_id
 from model.norm import RMSNorm
 
 _MIXERS = {"L": LinearAttention, "S": SlidingWindowAttention, "G": GatedMLA}
@@ -51,6 +51,7 @@ class _Context:
     cu_seqlens: torch.Tensor | None  # [N+1]
     pos_in_seg: torch.Tensor | None  # [T]
     attn_mask_2d: torch.Tensor | None  # [B, past+T], None when there is no padding
+    forward_id: int | None = None  # keys this forward's routing statistics (the same in a checkpoint recompute)
 
 
 class DecoderLayer(nn.Module):
@@ -80,26 +81,43 @@ class DecoderLayer(nn.Module):
     def _token_mask(ctx: _Context, T: int) -> torch.Tensor | None:
         return None if ctx.attn_mask_2d is None else ctx.attn_mask_2d[:, -T:].float()
 
-    def ffn(self, x: torch.Tensor, forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def ffn(self, x: torch.Tensor, forced: torch.Tensor | None,
+            key: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:
-            return self.mlp(x, forced)
+            return self.mlp(x, forced, key)
         return self.mlp(x), None
 
-    def forward(self, hidden, blocks, ctx, forced=None):
+    def forward(self, hidden, blocks, ctx, forced=None, checkpoint=None):
         """Plain residual: hidden [B, T, D] is the stream, blocks is None.
         Attention residuals: hidden is the current partial block (None at a block start), blocks the list of
-        completed block outputs. Returns (hidden, selected experts or None)."""
+        completed block outputs. Returns (hidden, selected experts or None).
+
+        checkpoint: a ``torch.utils.checkpoint.checkpoint``-like function (gradient checkpointing); the two halves
+        of the layer (token mixer, then FFN) are recomputed separately in backward, so the backward holds one
+        half's activations at a time."""
+        run = checkpoint if checkpoint is not None else _call
         if blocks is None:
-            hidden = hidden + self.mix(self.input_layernorm(hidden), ctx)
-            out, idx = self.ffn(self.post_attention_layernorm(hidden), forced)
-            return hidden + out, idx
+            hidden = run(self._mixer_half, hidden, None, ctx)
+            return run(self._ffn_half, hidden, None, ctx, forced)
+        partial = run(self._mixer_half, hidden, blocks, ctx)
+        return run(self._ffn_half, partial, blocks, ctx, forced)
+
+    def _mixer_half(self, hidden, blocks, ctx):
+        if blocks is None:
+            return hidden + self.mix(self.input_layernorm(hidden), ctx)
         sources = blocks if hidden is None else [*blocks, hidden]
         h = sources[0] if self.attn_res is None else self.attn_res(sources)
         attn_out = self.mix(self.input_layernorm(h), ctx)
-        partial = attn_out if hidden is None else hidden + attn_out
-        h = self.mlp_res([*blocks, partial])
-        out, idx = self.ffn(self.post_attention_layernorm(h), forced)
-        return partial + out, idx
+        return attn_out if hidden is None else hidden + attn_out
+
+    def _ffn_half(self, hidden, blocks, ctx, forced):
+        h = hidden if blocks is None else self.mlp_res([*blocks, hidden])
+        out, idx = self.ffn(self.post_attention_layernorm(h), forced, ctx.forward_id)
+        return hidden + out, idx
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 class MarathonPreTrainedModel(PreTrainedModel):
@@ -154,8 +172,14 @@ class MarathonModel(MarathonPreTrainedModel):
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
     def router_stats(self) -> dict[int, dict]:
-        """{layer index: Router.stats()} for every MoE layer (last training batch + EMA)."""
+        """{layer index: Router.stats()} for every MoE layer (the current or last update's token counts + EMA)."""
         return {layer.layer_idx: layer.mlp.router.stats() for layer in self.layers if layer.is_moe}
+
+    def apply_router_updates(self) -> None:
+        """Fold the routing statistics of the training forwards since the last update into the balancing state.
+        A torch optimizer's step does this by itself (`model.moe`); call it by hand in loops without one."""
+        for moe in self.moe_layers:
+            moe.router.apply_pending()
 
     def forward(
         self,
@@ -183,10 +207,6 @@ class MarathonModel(MarathonPreTrainedModel):
             raise TypeError(f"past_key_values must be a MarathonCache, got {type(cache).__name__}")
         past = cache.get_seq_length() if cache is not None else 0
 
-        if self.training:
-            for moe in self.moe_layers:
-                moe.router.apply_pending()
-
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: the fast paths apply
         pos_in_seg = None
@@ -205,7 +225,7 @@ class MarathonModel(MarathonPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past, past + T, device=hidden.device)[None].expand(B, T)
-        ctx = _Context(position_ids, cache, cu_seqlens, pos_in_seg, attention_mask)
+        ctx = _Context(position_ids, cache, cu_seqlens, pos_in_seg, attention_mask, new_forward_id())
 
         moe_ids = self.config.moe_layer_ids
         if routed_experts is not None and len(routed_experts) != len(moe_ids):
@@ -216,10 +236,8 @@ class MarathonModel(MarathonPreTrainedModel):
         size = self.config.attn_residual_block_size
         for i, layer in enumerate(self.layers):
             forced = routed_experts[i - moe_ids[0]] if routed_experts is not None and layer.is_moe else None
-            if self.gradient_checkpointing and self.training:
-                stream, idx = self._gradient_checkpointing_func(layer.__call__, stream, blocks, ctx, forced)
-            else:
-                stream, idx = layer(stream, blocks, ctx, forced)
+            checkpoint = self._gradient_checkpointing_func if self.gradient_checkpointing and self.training else None
+            stream, idx = layer(stream, blocks, ctx, forced, checkpoint)
             if idx is not None:
                 selected.append(idx)
             if blocks is not None and (i + 1) % size == 0 and i + 1 < len(self.layers):
@@ -247,6 +265,9 @@ class MarathonForCausalLM(MarathonPreTrainedModel, GenerationMixin):
 
     def router_stats(self) -> dict[int, dict]:
         return self.model.router_stats()
+
+    def apply_router_updates(self) -> None:
+        self.model.apply_router_updates()
 
     def parameter_counts(self) -> dict[str, int]:
         """total, activated per token (shared parts + top-k of the routed experts), and the embeddings' share.

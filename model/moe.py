@@ -7,9 +7,14 @@ Routing, per token (N tokens, E experts):
     weights  = s[select] / sum(s[select]) * routed_scaling_factor   (unbiased scores: balancing never
                changes the weights' values, only which experts are picked)
 
-Balancing state (buffers, saved in the checkpoint) is updated only by training-mode forwards, and lazily: a
-forward stashes its routing statistics and the next training forward applies them (`Router.apply_pending`),
-so gradient-checkpoint recomputation routes exactly as the original forward did.
+Balancing state (buffers, saved in the checkpoint) moves only when the weights do, so it never drifts inside an
+update: a training-mode forward with gradients enabled stashes its routing statistics (`Router._stash`; no-grad
+passes such as old-policy logprobs or evaluation stash nothing), the stashes of all forwards of one update add up
+(one entry per forward, keyed by the model's forward id, so gradient checkpointing's recompute replaces its
+forward's entry instead of counting it twice), and the next optimizer step folds them into the buffers
+(`Router.apply_pending`, run by a global torch optimizer step post-hook on every router with stashed statistics;
+`MarathonModel.apply_router_updates()` does it by hand for training loops without a torch optimizer). Between two
+steps every forward - old-policy logprobs, each micro-batch, its recompute - routes with the same state.
     "quantile": relative load EMA (1.0 = fair share); experts above the `router_high_quantile` of the EMA get
                 scale *= router_shrink_factor, those below `router_low_quantile` scale *= router_boost_factor.
     "bias":     alpha_i = (k+1)-th largest of s_i + b;  r_ij = alpha_i - s_ij;
@@ -21,14 +26,35 @@ Expert weights: `experts.gate_up_proj` [E, D, 2F] (gate = first F columns, up = 
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 
 import kernels
 from model.config import MarathonConfig
+
+_FORWARD_IDS = itertools.count()
+_STASHED: "weakref.WeakSet[Router]" = weakref.WeakSet()  # routers holding statistics for the next optimizer step
+
+
+def new_forward_id() -> int:
+    """A key for one forward's routing statistics (`Router.forward`'s ``key``)."""
+    return next(_FORWARD_IDS)
+
+
+def apply_stashed_routing(*_args, **_kwargs) -> None:
+    """Fold every router's stashed statistics into its balancing state (the optimizer step post-hook)."""
+    for router in list(_STASHED):
+        router.apply_pending()
+
+
+register_optimizer_step_post_hook(apply_stashed_routing)
 
 
 class SwiGLU(nn.Module):
@@ -55,8 +81,10 @@ class Router(nn.Module):
         self.register_buffer("load_ema", torch.ones(E, dtype=fp32))  # relative load, 1.0 = fair share
         self.register_buffer("expert_scale", torch.ones(E, dtype=fp32))  # "quantile" mode selection scale
         self.register_buffer("expert_bias", torch.zeros(E, dtype=fp32))  # "bias" mode selection bias
-        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=fp32), persistent=False)  # last batch
-        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # tokens routed to each expert by this update's forwards so far (after a step: that update's, all ranks)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=fp32), persistent=False)
+        # forward id -> (counts [E], bias-mode quantile estimate [E] or None, tokens) of this update's forwards
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
 
     def _apply(self, fn, recurse=True):
         """Balancing buffers stay fp32 whatever dtype the model is cast to (bf16 would swallow small updates)."""
@@ -94,16 +122,19 @@ class Router(nn.Module):
         w = w / w.sum(-1, keepdim=True).clamp(min=1e-20) * self.config.routed_scaling_factor
         return w, idx
 
-    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, experts [N, k] int64); training forwards record the load."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None,
+                key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, experts [N, k] int64). Training forwards with gradients enabled stash
+        the routing statistics under ``key`` (the model's forward id; None: a forward of its own), replacing an
+        earlier stash of the same key (gradient checkpointing's recompute)."""
         s = self.scores(x)
         w, idx = self.route(s, forced)
-        if self.training:
-            self._stash(s.detach(), idx)
+        if self.training and torch.is_grad_enabled():
+            self._stash(s.detach(), idx, new_forward_id() if key is None else key)
         return w, idx
 
     @torch.no_grad()
-    def _stash(self, s: torch.Tensor, idx: torch.Tensor) -> None:
+    def _stash(self, s: torch.Tensor, idx: torch.Tensor, key: int) -> None:
         E = s.shape[-1]
         counts = torch.bincount(idx.reshape(-1), minlength=E).float()
         bias_estimate = None
@@ -113,15 +144,29 @@ class Router(nn.Module):
             r = alpha - s  # [N, E]
             rank = max(1, round(k / E * s.shape[0]))
             bias_estimate = r.kthvalue(rank, dim=0).values  # [E] quantile at level k/E
-        self._pending = (counts, bias_estimate)
+        self._pending[key] = (counts, bias_estimate, s.shape[0])
+        self.tokens_per_expert.copy_(sum(c for c, _, _ in self._pending.values()))  # this update's so far
+        _STASHED.add(self)
+
+    def discard_pending(self) -> None:
+        """Drop the stashed statistics (forwards whose gradients will not be applied)."""
+        self._pending = {}
+        _STASHED.discard(self)
 
     @torch.no_grad()
     def apply_pending(self) -> None:
-        """Fold the last training forward's routing statistics into the balancing buffers."""
-        if self._pending is None:
+        """Fold the statistics of the training forwards since the last update into the balancing buffers: one
+        update from their summed expert counts (and, "bias" mode, the token-weighted mean of their quantile
+        estimates), summed / averaged over the data-parallel ranks."""
+        if not self._pending:
             return
-        counts, bias_estimate = self._pending
-        self._pending = None
+        entries = list(self._pending.values())
+        self.discard_pending()
+        counts = torch.stack([c for c, _, _ in entries]).sum(0)
+        weighted = [(b, n) for _, b, n in entries if b is not None and n > 0]
+        bias_estimate = None
+        if weighted:
+            bias_estimate = sum(b * n for b, n in weighted) / sum(n for _, n in weighted)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)
             if bias_estimate is not None:
@@ -202,10 +247,11 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> (out [B, T, D], selected experts [B*T, k])."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None,
+                key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (out [B, T, D], selected experts [B*T, k]); ``key``: the forward id (`Router.forward`)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        w, idx = self.router(flat, forced)
+        w, idx = self.router(flat, forced, key)
         out = self.experts(flat, w, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

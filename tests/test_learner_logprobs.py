@@ -14,7 +14,7 @@ def _tiny_marathon(seed=0):
     from model.modeling import MarathonForCausalLM
 
     torch.manual_seed(seed)
-    # eval: a training forward folds the previous forward's routing statistics into the router first
+    # eval: no routing statistics are stashed (tests/test_model_moe.py covers them)
     return MarathonForCausalLM(MarathonConfig.from_preset("tiny")).float().eval()
 
 

@@ -1,5 +1,6 @@
 """MoE routing: quantile balancing (both modes) against none on skewed inputs, no auxiliary loss, routing
-replay, router statistics."""
+replay, router statistics; balancing state that moves only at optimizer steps (not in no-grad passes, not
+between the micro-batches of an update, not twice under gradient checkpointing)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def test_balancing_changes_selection_only_and_adds_no_loss_term():
     torch.manual_seed(0)
     model = MarathonForCausalLM(MarathonConfig.from_preset("tiny", router_balance_mode="bias")).train()
     ids = torch.randint(0, 512, (2, 16))
-    for _ in range(3):  # balancing state moves during training forwards
-        model(ids, labels=ids)
-    model(ids)  # applies the last stash
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(3):  # balancing state moves with each optimizer step
+        model(ids, labels=ids).loss.backward()
+        opt.step()
     router = model.model.layers[1].mlp.router
     assert router.expert_bias.abs().sum() > 0 and not router.expert_bias.requires_grad
     out = model(ids, labels=ids, return_routed_experts=True)
@@ -114,7 +116,7 @@ def test_router_stats_report_load_and_dead_experts():
     stats = model.router_stats()
     assert sorted(stats) == [1, 2, 3]
     for s in stats.values():
-        assert s["tokens_per_expert"].sum() == 32 * 2
+        assert s["tokens_per_expert"].sum() == 32 * 2 * 2  # both forwards of the update so far, top-2
         assert s["max_over_mean"] >= 1.0 and 0 <= s["dead_experts"] < 8
         assert s["load_ema"].shape == (8,)
 
@@ -155,3 +157,86 @@ def test_long_rows_go_through_the_experts_in_recomputed_chunks(one_thread, monke
     monkeypatch.setattr(Experts, "TOKEN_CHUNK", 64)
     for a, b in zip(run(), whole):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def _router_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "router" in k and "weight" not in k}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+@pytest.mark.parametrize("mode", ["quantile", "bias"])
+def test_balancing_state_holds_still_inside_an_update(mode):
+    """Old-policy logprobs (no grad, train mode), then micro-batches: every forward of the update routes with
+    the same state, so the first micro-batch's logits equal the no-grad pass's; the optimizer step then moves
+    the state once, from all micro-batches' statistics."""
+    torch.manual_seed(0)
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny", router_balance_mode=mode)).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the balancing state can change the logits
+    mbs = [torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for ids in mbs:  # a first update, so that the state is not the init's
+        model(ids, labels=ids).loss.backward()
+    opt.step()
+    start = _router_state(model)
+    with torch.no_grad():
+        old = [model(ids).logits for ids in mbs]  # pi_old
+    assert _same(start, _router_state(model))
+    for i, ids in enumerate(mbs):
+        out = model(ids, labels=ids)
+        torch.testing.assert_close(out.logits, old[i], rtol=0, atol=0)  # no drift between micro-batches
+        out.loss.backward()
+    assert _same(start, _router_state(model))
+    routers = [m.router for m in model.model.moe_layers]
+    stashed = [r.tokens_per_expert.clone() for r in routers]
+    assert all(t.sum() == 3 * 24 * 2 for t in stashed)  # every micro-batch counted once
+    opt.step()
+    moved = _router_state(model)
+    assert not _same(start, moved)
+    buf = "expert_scale" if mode == "quantile" else "expert_bias"
+    assert any(not torch.equal(start[k], moved[k]) for k in start if k.endswith(buf))  # selection moved
+    assert all(not r._pending for r in routers)
+    for r, t in zip(routers, stashed):  # the step folded in exactly the update's statistics
+        assert torch.equal(r.tokens_per_expert, t)
+    with torch.no_grad():
+        new = model(mbs[0]).logits
+    assert not torch.equal(new, old[0])  # and the next update routes with the new state
+
+
+def test_no_grad_and_eval_passes_stash_nothing():
+    torch.manual_seed(0)
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny")).train()
+    ids = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        model(ids)
+    with torch.inference_mode():
+        model(ids)
+    model.eval()
+    model(ids)
+    assert all(not m.router._pending for m in model.model.moe_layers)
+    before = _router_state(model)
+    model.apply_router_updates()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert _same(before, _router_state(model))
+
+
+def test_gradient_checkpointing_counts_each_forward_once():
+    """The recompute in backward routes again: its statistics replace its forward's, they do not add.
+    (Non-reentrant checkpointing, transformers' default: the reentrant kind cannot carry gradients through the
+    attention-residual block lists.)"""
+    cfg = MarathonConfig.from_preset("tiny", router_balance_mode="bias")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(3))
+    states = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = MarathonForCausalLM(cfg).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        for _ in range(2):  # two micro-batches
+            model(ids, labels=ids).loss.backward()
+        assert all(m.router.tokens_per_expert.sum() == 2 * 40 * 2 for m in model.model.moe_layers)
+        assert all(len(m.router._pending) == 2 for m in model.model.moe_layers)
+        model.apply_router_updates()
+        states.append(_router_state(model))
+    assert _same(*states)

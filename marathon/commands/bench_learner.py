@@ -150,6 +150,9 @@ def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
         if ffn not in out:
             n = sum(1 for m in inner.layers if m.is_moe == layer.is_moe)
             out[ffn] = {**timed(lambda h: layer.ffn(h, None), x), "count": n}
+        for m in layer.modules():  # the copy's routing statistics must not reach the next optimizer step
+            if hasattr(m, "discard_pending"):
+                m.discard_pending()
     rows = int((mb.loss_mask != 0).sum())
     h = torch.randn(rows, D, device=device, dtype=dtype) * 0.5
     targets = mb.targets.to(device).flatten()[(mb.loss_mask.to(device) != 0).flatten()]

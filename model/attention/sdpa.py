@@ -1,10 +1,26 @@
 """Softmax attention for sliding and global layers: SDPA with cache offsets, windows, packed rows and left
-padding. Packed rows run one segment at a time (no [T, T] mask over the whole row)."""
+padding, with no [T, T] anything on the training path (memory linear in T).
+
+Self-attention over whole sequences (training, prefill: no past, no padding mask), per device:
+- CUDA, fp16/bf16: FlashAttention's varlen kernel (``torch.nn.attention.varlen``) over the packed row (or the
+  B rows of a batch laid end to end) in one call, the window as its left window size; head dims padded with
+  zeros to a common multiple of 8 where q/k and v differ (MLA's 192 / 128).
+- elsewhere (CPU, fp32 CUDA, or a torch without varlen): one sequence at a time; a global layer through SDPA
+  with ``is_causal=True`` (flash kernels: O(T) memory); a sliding window of W through query blocks
+  (`_window_blocks`): each block of Bq queries attends to the Bq + W - 1 keys it can see with a small
+  additive mask, O(T (Bq + W)) work and an O(Bq (Bq + W)) mask per block, shared by all full interior blocks.
+Decoding and padded generation batches (``past`` > 0 with a global layer, ``key_mask``) build the explicit
+[q_len, kv_len] mask of `attention_mask`: q_len is the step's new tokens there.
+"""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
+
+WINDOW_BLOCK_MIN, WINDOW_BLOCK_MAX = 128, 1024  # queries per sliding-window block: clamp(W, min, max)
 
 
 def attention_mask(
@@ -47,14 +63,118 @@ def attend(
 ) -> torch.Tensor:
     """q [B, Hq, T, d], k [B, Hkv, S, d], v [B, Hkv, S, dv] (Hq a multiple of Hkv) -> [B, Hq, T, dv].
 
-    cu_seqlens [N+1] (B = 1, no past): causal attention inside each packed sequence only."""
-    gqa = q.shape[1] != k.shape[1]
+    Query i sits at stream index past + i, the S keys are the stream's last S tokens up to past + T - 1
+    (``attention_mask``). window: a query sees keys with q - k < window. cu_seqlens [N+1] (B = 1, no past,
+    no key_mask): causal attention inside each packed sequence only. key_mask [B, S] (0 = left padding)."""
+    T, S = q.shape[2], k.shape[2]
     if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        return torch.cat(
-            [attend(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], 0, window) for lo, hi in zip(bounds[:-1], bounds[1:])],
-            dim=2,
-        )
+        if past or key_mask is not None or S != T:
+            raise ValueError("packed rows (cu_seqlens) attend within themselves: no past, no key_mask")
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if _flash_varlen_ok(q, k, v):
+            return _flash_varlen(q, k, v, bounds, window)
+        if len(bounds) == 2:
+            return _self_attention(q, k, v, window)
+        return torch.cat([_self_attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], window)
+                          for lo, hi in zip(bounds[:-1], bounds[1:])], dim=2)
+    if key_mask is None and past == 0 and S == T and T > 1:  # whole sequences: training, prefill
+        if _flash_varlen_ok(q, k, v):
+            return _flash_varlen(q, k, v, [i * T for i in range(q.shape[0] + 1)], window)
+        return _self_attention(q, k, v, window)
+    if key_mask is None and window is not None and T > 1 and window < T:  # a window over a carried prefix
+        return _window_blocks(q, k, v, past, window)
+    mask = attention_mask(T, S, past, window, key_mask, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal attention of a whole sequence (q, k, v over the same T tokens, no past)."""
     T = q.shape[2]
-    mask = attention_mask(T, k.shape[2], past, window, key_mask, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
+    if window is None or window >= T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=q.shape[1] != k.shape[1])
+    return _window_blocks(q, k, v, 0, window)
+
+
+def _window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """Sliding-window causal attention in query blocks. Query i sits at stream index past + i, key j at
+    past + T - S + j (as `attention_mask`). A block of queries [s, e) sees the keys from stream index
+    past + s - window + 1 to past + e - 1: one SDPA call over that key range with a [e - s, keys] additive
+    mask (0 / -inf) built once per distinct block geometry (every full interior block shares one), so no
+    mask, score or mask copy is larger than the block."""
+    T, S = q.shape[2], k.shape[2]
+    off = past + T - S  # stream index of key 0
+    block = min(max(window, WINDOW_BLOCK_MIN), WINDOW_BLOCK_MAX)
+    gqa = q.shape[1] != k.shape[1]
+    masks: dict[tuple[int, int, int], torch.Tensor | None] = {}
+    out = []
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        lo = max(0, past + s - window + 1 - off)  # first visible key
+        hi = past + e - off  # one past the last visible key
+        geometry = (e - s, hi - lo, past + s - (off + lo))  # queries, keys, stream offset query 0 - key 0
+        if geometry not in masks:
+            masks[geometry] = _block_mask(*geometry, window, q.dtype, q.device)
+        mask = masks[geometry]
+        out.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
+                                                  is_causal=False, enable_gqa=gqa))
+    return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+
+
+def _block_mask(n_q: int, n_k: int, delta: int, window: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """[n_q, n_k] additive mask (0 = attend, -inf = not) for queries at stream delta + a over keys at b:
+    key b visible from query a iff 0 <= (delta + a) - b < window. None when every key is visible."""
+    rel = delta + torch.arange(n_q, device=device)[:, None] - torch.arange(n_k, device=device)[None, :]
+    allowed = (rel >= 0) & (rel < window)
+    if bool(allowed.all()):
+        return None
+    # rows padded to a multiple of 16 elements: CUDA's memory-efficient kernel takes the view as it is (an
+    # unaligned mask would be copied, padded, per call - and kept per block for the backward)
+    mask = torch.zeros(n_q, -(-n_k // 16) * 16, dtype=dtype, device=device)[:, :n_k]
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+# -- CUDA: FlashAttention varlen --------------------------------------------------------------------------------
+
+_VARLEN = None  # torch.nn.attention.varlen.varlen_attn when it takes windows and GQA, else False (resolved lazily)
+
+
+def _varlen_fn():
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = inspect.signature(varlen_attn).parameters
+            _VARLEN = varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else False
+        except ImportError:
+            _VARLEN = False
+    return _VARLEN
+
+
+def _flash_varlen_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """FlashAttention's varlen kernel applies: CUDA, half precision, head dims up to 256."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    return max(q.shape[-1], v.shape[-1]) <= 256 and bool(_varlen_fn())
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
+                  window: int | None) -> torch.Tensor:
+    """q [B, Hq, T, d], k/v [B, Hkv, T, d|dv] holding the sequences ``bounds`` (offsets into the B*T tokens laid
+    end to end) -> [B, Hq, T, dv], causal within each sequence, through one varlen FlashAttention call."""
+    B, Hq, T, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    D = -(-max(d, dv) // 8) * 8  # one head dim for q, k and v (the kernel needs them equal, multiple of 8)
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, e] -> [B*T, H, D]
+        x = x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[-1])
+        return F.pad(x, (0, D - x.shape[-1])) if x.shape[-1] < D else x.contiguous()
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    left = -1 if window is None or window >= longest else window - 1
+    o = _varlen_fn()(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, scale=d**-0.5,
+                     window_size=(left, 0), enable_gqa=Hq != Hkv)  # [B*T, Hq, D]
+    return o[..., :dv].reshape(B, T, Hq, dv).transpose(1, 2)
