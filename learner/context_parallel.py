@@ -31,7 +31,8 @@ reduction averages); normalise the loss by the whole row's token count (the unsh
 not the shard's.
 
 Shards are equal (all-gathers of equal sizes): a row whose length is not a multiple of the CP size gets a padding
-sequence at its end (masked out of the loss). Load: causal attention makes later ranks' MLA work larger (no
+sequence at its end (masked out of the loss; its at most CP - 1 tokens are routed like any other, so they count
+in the MoE balancing statistics, as the padding of a padded batch does). Load: causal attention makes later ranks' MLA work larger (no
 zigzag reordering: contiguous shards keep the KDA state passing to one all-gather of one state per rank).
 
 Ranks run in separate processes (`DistComm` over a ``torch.distributed`` group: gloo on CPU, NCCL on GPU) or, for

@@ -9,18 +9,21 @@ episodes have variable lengths). Learner logprobs are computed on the rollout's 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from configs.schema import LearnerSection, LossSection
+from learner import data_parallel as dp
+from learner.dist import init_distributed
 from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
 from learner.packing import MicroBatch, Sample, make_micro_batches
-from marathon.dist import init_single_process_group
 
 STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl", "mismatch")
 
@@ -69,17 +72,28 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
 
 
 class Learner:
+    """One learner rank. Alone it is the whole learner; in a group (``learner.group`` on Ray, or any launcher
+    that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, see ``learner.dist``) every rank runs the same calls
+    on the same arguments: each trains its data-parallel share of the samples (``learner.data_parallel``) and
+    returns the group's statistics."""
+
     def __init__(self, model_dir: str | Path, cfg: LearnerSection, seed: int = 0, zero_stage: int | None = None,
-                 gradient_checkpointing: bool | None = None, micro_batch_tokens: int | None = None) -> None:
+                 gradient_checkpointing: bool | None = None, micro_batch_tokens: int | None = None,
+                 context_parallel_size: int | None = None) -> None:
         import deepspeed
 
         torch.manual_seed(seed)
-        init_single_process_group()
+        self.layout = init_distributed(context_parallel_size or cfg.context_parallel_size)
         self.cfg = cfg
         self.micro_batch_tokens = micro_batch_tokens or cfg.micro_batch_tokens
         zero_stage = cfg.zero_stage if zero_stage is None else zero_stage
         self.device = learner_device()
-        module = load_causal_lm(model_dir, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32, self.device)
+        config = ds_config(cfg, zero_stage)
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        if zero_stage == 3:  # built under deepspeed.zero.Init: no rank materialises the whole model
+            module = dp.load_zero3_causal_lm(model_dir, dtype, config)
+        else:
+            module = load_causal_lm(model_dir, dtype, self.device)
         if cfg.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.config.use_cache = False
@@ -89,22 +103,44 @@ class Learner:
         self.packed = cfg.packing and "cu_seqlens" in self.forward_kwargs
         self.pad_id = module.config.pad_token_id or 0
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-            config=ds_config(cfg, zero_stage),
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config,
         )
         self.engine.train()
         self.reference: torch.nn.Module | None = None
         self.updates = 0
+        # Context parallelism: the one seam (learner.context_parallel) that makes the unchanged model's token
+        # mixers split each packed row over the replica's CP ranks
+        self.cp = None
+        if self.layout.cp_size > 1:
+            if not self.packed:
+                raise ValueError("context_parallel_size > 1 splits packed rows: it needs learner.packing and a model "
+                                 "whose forward takes cu_seqlens (MarathonForCausalLM)")
+            from learner.context_parallel import apply_context_parallel
+
+            self.cp = apply_context_parallel(self.module, self.layout.cp_group)
 
     # -- forward ----------------------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def on_shard(self, mb: MicroBatch):
+        """Context manager giving the micro-batch this rank computes on: ``mb`` itself, or under context
+        parallelism its shard of the row with the mixers CP-aware (run the backward inside it too)."""
+        return self.cp.sharded(mb, self.pad_id) if self.cp is not None else nullcontext(mb)
+
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """Packed (or padded) micro-batches of ``samples``, on this rank's device."""
         return [mb.to(self.device) for mb in make_micro_batches(samples, self.micro_batch_tokens, self.packed,
                                                                  self.pad_id)]
+
+    def rank_micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """This rank's data-parallel share of ``samples`` as micro-batches (as many as every other rank's; segment
+        indices into ``samples``), on this rank's device."""
+        if self.layout.world_size == 1:
+            return self.micro_batches(samples)
+        return dp.rank_micro_batches(samples, self.layout, self.micro_batch_tokens, self.packed, self.pad_id,
+                                     self.device)
 
     @torch.no_grad()
     def sequence_logprobs(self, samples: list[Sample], model: torch.nn.Module | None = None, temperature: float = 1.0,
@@ -112,13 +148,16 @@ class Learner:
         """Per sample, logprob under pi / temperature of each token given its prefix (index 0 gets 0.0), from the
         current weights (or from ``model``, e.g. the KL reference). Only the policy's own tokens (loss mask 1)
         are scored unless ``all_positions``; the others get 0.0."""
-        out: list[list[float]] = [[] for _ in samples]
-        for mb in self.micro_batches(samples):
-            logp = token_logprobs(model or self.engine, mb, self.forward_kwargs, temperature, all_positions)
+        out: dict[int, list[float]] = {}
+        for mb in self.rank_micro_batches(samples):
+            with self.on_shard(mb) as local:
+                logp = token_logprobs(model or self.engine, local, self.forward_kwargs, temperature, all_positions)
+            if self.cp is not None:  # the shards' logprobs, in row order (the row padded to a multiple of CP)
+                logp = self.cp.gather(logp)
             for i, row, start in mb.segments:
                 n = len(samples[i].token_ids)
                 out[i] = [0.0] + logp[row, start : start + n - 1].tolist()
-        return out
+        return dp.gather_per_sample(out, len(samples), self.layout)
 
     # -- updates ----------------------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -128,28 +167,39 @@ class Learner:
     def snapshot_reference(self) -> None:
         """Freeze a copy of the current policy as the KL reference (only when the loss uses KL)."""
         if self.cfg.loss.kl_coef > 0:
+            if self.engine.zero_optimization_stage() == 3:  # partitioned parameters cannot be deep-copied
+                raise NotImplementedError("a KL reference (loss.kl_coef > 0) needs zero_stage 0-2")
             self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
 
     def _update(self, mbs: list[MicroBatch], loss_fn, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over all micro-batches; loss_fn(mb, logp) -> (loss_sum, stats) summed over tokens;
         logp is of pi / temperature."""
-        total = sum(mb.num_loss_tokens for mb in mbs)
-        self.engine.set_train_batch_size(len(mbs))  # gradient accumulation over exactly these micro-batches
+        total = dp.update_tokens(mbs, self.layout)  # loss tokens of the whole update, over all ranks
+        # gradient accumulation over exactly these micro-batches (on every rank)
+        self.engine.set_train_batch_size(len(mbs) * self.engine.dp_world_size)
+        scale = dp.loss_scale(len(mbs), self.engine.dp_world_size, total)
         sums: dict[str, float] = {}
         grad_norm = None
         for k, mb in enumerate(mbs):
-            logp = token_logprobs(self.engine, mb, self.forward_kwargs, temperature)
-            loss_sum, stats = loss_fn(mb, logp)
-            # DeepSpeed divides by the accumulation count; the result is the token mean of the whole update.
-            self.engine.backward(loss_sum * len(mbs) / max(total, 1))
+            with self.on_shard(mb) as local:  # under CP: this rank's shard; `total` counts the whole rows
+                logp = token_logprobs(self.engine, local, self.forward_kwargs, temperature)
+                loss_sum, stats = loss_fn(local, logp)
+                # DeepSpeed divides by the accumulation count and averages over ranks (CP ranks included: each
+                # holds its shard's partial gradient); the result is the token mean of the whole update
+                # (learner.data_parallel)
+                self.engine.backward(loss_sum * scale)
             if k == len(mbs) - 1 and self.engine.zero_optimization_stage() == 0:  # ZeRO-0 keeps grads on params
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
+            if k == len(mbs) - 1 and self.layout.world_size > 1:
+                # MoE balancing statistics are all-reduced layer by layer: the same order on every rank
+                getattr(self.module, "apply_router_updates", lambda: None)()
             self.engine.step()
             for key, v in {"loss": float(loss_sum.detach()), **stats}.items():
                 _accumulate(sums, key, v)
         self.updates += 1
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
+        sums = dp.sum_over_ranks(sums)  # every rank's token sums (ranks that trained nothing add zeros)
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return sums
 
@@ -167,12 +217,15 @@ class Learner:
         totals: dict[str, float] = {}
         for u in range(U):
             idx = list(range(u, len(samples), U))
-            mbs = self.micro_batches([samples[i] for i in idx])
+            # pi_old and the reference laid out like each micro-batch's targets (so a CP shard cuts them too)
+            mbs = [dataclasses.replace(mb, old_logprobs=self._gather(mb, old, idx) if old is not None else None,
+                                       ref_logprobs=self._gather(mb, ref, idx) if ref is not None else None)
+                   for mb in self.rank_micro_batches([samples[i] for i in idx])]
 
-            def loss_fn(mb: MicroBatch, logp: torch.Tensor, idx=idx):
-                old_lp = self._gather(mb, old, idx) if old is not None else logp.detach()
-                ref_lp = self._gather(mb, ref, idx) if ref is not None else None
-                out = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.loss_mask, loss_cfg, ref_lp)
+            def loss_fn(mb: MicroBatch, logp: torch.Tensor):
+                old_lp = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+                out = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
+                                  mb.ref_logprobs, segments=mb.segment_ids)
                 return out.loss_sum, out.stats
 
             for k, v in self._update(mbs, loss_fn, temperature).items():
@@ -187,7 +240,7 @@ class Learner:
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             return -(logp * mb.loss_mask).sum(), {"tokens": float(mb.loss_mask.sum())}
 
-        return self._summarise(self._update(self.micro_batches(samples), loss_fn), 1)
+        return self._summarise(self._update(self.rank_micro_batches(samples), loss_fn), 1)
 
     @staticmethod
     def _summarise(sums: dict[str, float], updates: int) -> dict[str, float]:
@@ -230,26 +283,48 @@ class Learner:
         return flat
 
     def save_checkpoint(self, path: str | Path, client_state: dict[str, Any]) -> None:
-        """Model, optimizer and learner RNG under ``path`` (DeepSpeed layout, tag "state")."""
+        """Model, optimizer and learner RNG under ``path`` (DeepSpeed layout, tag "state"), written by every rank
+        (ZeRO shards; ``path`` must be on a file system all ranks share) plus one small file per rank (its RNG and
+        the group's layout). Resumed by a group of the same size and layout."""
         state = {**client_state, "learner_rng": torch.get_rng_state(), "updates": self.updates}
         self.engine.save_checkpoint(str(path), tag="state", client_state=state, save_latest=False)
+        torch.save(dp.rank_state(self.layout, torch.get_rng_state()), dp.rank_state_path(path, self.layout.rank))
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        mine = dp.load_rank_state(path, self.layout)  # refuses another group size / layout before loading shards
         _, client_state = self.engine.load_checkpoint(str(path), tag="state")
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint under {path}")
-        torch.set_rng_state(client_state.pop("learner_rng"))
+        rng = client_state.pop("learner_rng")
+        torch.set_rng_state(mine["rng"] if mine is not None else rng)
         self.updates = client_state.pop("updates")
         return client_state
 
     def export_hf(self, path: str | Path, config_overrides: dict[str, Any] | None = None) -> str:
-        """Save the current weights as an HF checkpoint (for evaluation, serving, or the next stage)."""
-        module = self.module
-        state = self.get_weights()
-        cfg = copy.deepcopy(module.config)
+        """Save the current weights (in the learner's dtype) as an HF checkpoint (for evaluation, serving, or the
+        next stage). Every rank calls it (ZeRO-3 gathers, bucket by bucket: no whole-model copy); rank 0 writes."""
+        from learner.weight_sync import save_hf_streamed
+
+        cfg = copy.deepcopy(self.module.config)
         for k, v in (config_overrides or {}).items():
             setattr(cfg, k, v)
         cfg.use_cache = True
-        module.save_pretrained(str(path), state_dict=state)
-        cfg.save_pretrained(str(path))
+        save_hf_streamed(self.module, path, cfg)
         return str(path)
+
+    def stream_weights(self, workers: list[Any] | None, version: int, bucket_bytes: int | None = None,
+                       dtype: str | None = None, measure_memory: bool = False) -> dict[str, Any]:
+        """Send the weights to rollout worker actors in buckets (``learner.weight_sync``); every rank calls it,
+        rank 0 with the workers. ``dtype`` defaults to the rollout's (``weight_sync_dtype``, "auto": the learner's)."""
+        from learner.weight_sync import stream_to_workers
+
+        if dtype is None or dtype == "auto":
+            dtype = self.cfg.weight_sync_dtype if self.cfg.weight_sync_dtype != "auto" else self.cfg.dtype
+        bucket_bytes = bucket_bytes or self.cfg.weight_sync_bucket_mb << 20
+        return stream_to_workers(self.module, workers, version, bucket_bytes, dtype,
+                                 measure_memory=measure_memory).as_dict()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of parameters (its ZeRO-3 partitions) and optimizer state (master weights and
+        moments, each storage once)."""
+        return dp.state_bytes(self.module, self.optimizer)

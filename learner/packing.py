@@ -42,6 +42,8 @@ class MicroBatch:
     routed_experts: torch.Tensor | None  # [num_moe_layers, B * T, top_k] for routing replay
     segments: list[tuple[int, int, int]]  # (sample index, row, start) of each sample
     segment_ids: torch.Tensor | None = None  # [B, T] long: behaviour segment (sample, version run) of each target
+    old_logprobs: torch.Tensor | None = None  # [B, T] float: pi_old of each target (several updates per step)
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float: the KL reference's
 
     @property
     def num_loss_tokens(self) -> int:

@@ -33,19 +33,24 @@ def _tiny(tmp_path, **changes):
 
 def test_shipped_configs_validate():
     tiny = load_config(CONFIGS / "tiny.yaml")
-    assert tiny.env.id == "marathon/Arithmetic-v0" and tiny.model.source == "tiny-qwen3"
+    assert tiny.env.id == "marathon/Arithmetic-v0" and tiny.model.source == "marathon"
     assert load_config("configs/tiny.yaml") == tiny  # also found as package data from any directory
     staged = load_config(CONFIGS / "context_extension.yaml")
     stages = staged.resolved_stages()
     assert [s.max_episode_tokens for s in stages] == [8192, 65536, 262144, 1048576]
     assert all(s.gate is not None and s.rope_theta for s in stages)
-    assert stages[1].zero_stage == 3 and stages[0].zero_stage == 2
+    assert stages[1].zero_stage == 3 and stages[0].zero_stage == 3
+    assert [(s.num_learner_ranks, s.context_parallel_size) for s in stages] == [(16, 1), (16, 1), (16, 4), (16, 8)]
     assert stages[2].env_kwargs["n_tokens"] == 256000 and stages[2].env_kwargs["max_turns"] == 24  # merged
 
 
 def test_staged_config_passes_full_validation_with_a_local_model(tmp_path):
-    # the shipped staged config points at a cluster checkpoint; with a tiny preset everything else validates
-    plan = prepare(CONFIGS / "context_extension.yaml", {"model.source": "marathon", "model.preset": "tiny"})
+    # the shipped staged config points at a cluster checkpoint; with a tiny preset everything else validates on a
+    # cluster with its resources (24 GPUs; tests/test_dry_run.py prints its plan)
+    from marathon.plan import Cluster
+
+    plan = prepare(CONFIGS / "context_extension.yaml", {"model.source": "marathon", "model.preset": "tiny"},
+                   cluster=Cluster(24, 256, "a test cluster"))
     assert [s.name for s in plan.stages] == ["ctx8k", "ctx64k", "ctx256k", "ctx1m"]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from kernels import gated_delta_rule, recurrent_gated_delta_rule
 from kernels.transition import add_incoming, fold_incoming, shard_pass, transition_reference
 from learner.context_parallel import ContextParallel, pad_micro_batch, shard_micro_batch, shard_row, simulate
+from learner.dist import free_port
 from learner.logprobs import token_logprobs
 from learner.packing import Sample, collate
 
@@ -205,12 +205,6 @@ def test_mixers_run_their_own_forward_outside_a_shard():
 ROW_LENGTHS = [700, 1500, 333, 900, 663]  # 4096 tokens; 2 and 4 shards cut inside sequences, one spans 3 shards
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_rank(rank: int, world: int, port: int, path: str) -> None:
     """One of 4 gloo processes: CP=4 over the world (gradient checkpointing on), then CP=2 over the pairs
     {0, 1} and {2, 3}; rank 0 saves both results."""
@@ -251,7 +245,7 @@ def test_gloo_ranks_match_one_rank_on_a_4k_packed_row(tmp_path, one_thread):
     path = str(tmp_path / "cp.pt")
     torch.save({"model": model, "mb": mb, "weights": weights}, path)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_gloo_rank, args=(4, _free_port(), path), nprocs=4, join=True)
+    mp.spawn(_gloo_rank, args=(4, free_port(), path), nprocs=4, join=True)
     for size, got in torch.load(path + ".out", weights_only=False).items():
         assert set(got["grads"]) == set(ref_grads), size
         _assert_matches(got["logp"], got["grads"], ref_logp, ref_grads)

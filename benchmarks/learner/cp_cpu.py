@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from learner.dist import free_port  # noqa: E402
 
 # The tiny-but-wide model: Kimi Linear's 3 KDA : 1 gated MLA layout, hidden 512, MoE, block attention residuals.
 MODEL = dict(
@@ -102,9 +103,7 @@ def trial(size: int, length: int, tmp: Path, memory: bool) -> dict:
     """One step of ``length`` tokens over ``size`` ranks; ``memory``: with the fixed mmap threshold."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp / f"cp{size}-{length}.json"
     load = os.getloadavg()[0]
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -221,6 +220,8 @@ def main() -> None:
     ap.add_argument("--same-length", type=int, default=2048, help="also time every CP at this length (0: skip)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "learner"))
     ap.add_argument("--render", action="store_true", help="only rewrite cp_cpu.md from cp_cpu.json")
+    ap.add_argument("--time-only", action="store_true",
+                    help="keep the memory trials of cp_cpu.json and (re)run only the time trials")
     args = ap.parse_args()
     out = Path(args.out)
     if args.render:
@@ -245,7 +246,12 @@ def main() -> None:
         (out / "cp_cpu.md").write_text(render(results))
 
     sizes = [int(c) for c in args.cps.split(",")]
-    for size in sizes:
+    if args.time_only:
+        kept = json.loads((out / "cp_cpu.json").read_text())
+        results.update(longest=kept["longest"], note=kept.get("memory_note"), memory_note=kept.get("memory_note"),
+                       runs=[r for r in kept["runs"] if r["kind"] == "memory"],
+                       command=f"{kept['command']}, then {results['command']}")
+    for size in sizes if not args.time_only else []:
         length, runs = longest(size, args.cap_mib, args.start * size, args.step, tmp, log)
         results["longest"][str(size)] = length
         results["runs"] += runs
