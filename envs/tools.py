@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from jsonschema import Draft202012Validator
+
+from envs.guard import call_limited  # a hung tool is abandoned (and counted) like a hung env call
 
 ResultKind = Literal["ok", "unknown_tool", "bad_arguments", "tool_error", "timeout"]
 
@@ -62,22 +63,12 @@ class ToolResult:
 
 
 def _run_with_timeout(tool: Tool, args: dict[str, Any]) -> ToolResult:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = tool.fn(**args)
-        except BaseException as e:  # noqa: BLE001 - any failure becomes feedback to the model
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    thread.start()
-    thread.join(tool.timeout_s)
-    if thread.is_alive():
+    out = call_limited(tool.fn, (), args, timeout_s=tool.timeout_s, name=f"tool-{tool.name}")
+    if out.timed_out:
         return ToolResult(f"error: tool {tool.name!r} timed out after {tool.timeout_s:g} s", "timeout")
-    if "error" in box:
-        return _error_result(tool, box["error"])
-    return _value_result(tool, box["value"])
+    if out.error is not None:
+        return _error_result(tool, out.error)
+    return _value_result(tool, out.value)
 
 
 def _error_result(tool: Tool, e: BaseException) -> ToolResult:

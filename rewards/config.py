@@ -2,7 +2,9 @@
 
 ``load_reward_config(path)`` parses and validates a YAML file into a ``RewardConfig``; any problem raises one
 ``RewardConfigError`` naming the file, the key and what was expected. ``RewardConfig.score`` is model-free:
-it takes the episode's last ``info`` and two counts.
+it takes the episode's last ``info`` and two counts; a term that raises or returns something other than a
+finite number raises ``RewardTermError`` naming the term (the driver then marks that episode as an infra
+failure and leaves it out of the update, ``rewards/README.md``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import traceback
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -30,6 +33,14 @@ class RewardConfigError(ValueError):
     def __init__(self, source: str, key: str, problem: str) -> None:
         self.source, self.key, self.problem = source, key, problem
         super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+
+
+class RewardTermError(ValueError):
+    """A reward term failed on one episode: it raised, or returned NaN, inf or a non-number."""
+
+    def __init__(self, term: str, message: str, tb: str = "") -> None:
+        self.term, self.traceback = term, tb
+        super().__init__(message)
 
 
 class TermSpec(BaseModel):
@@ -64,11 +75,22 @@ class RewardConfig(BaseModel):
         """``(total, {term: weight * value})`` for one finished episode; ``total`` is the sum of the terms."""
         terms = {}
         for name, spec in self.terms.items():
-            value = self._fns[name](info, num_model_tokens, num_turns, **spec.params)
+            fn = spec.function or name
+            try:
+                value = self._fns[name](info, num_model_tokens, num_turns, **spec.params)
+            except Exception as e:  # noqa: BLE001 - named and passed on
+                raise RewardTermError(name, f"reward term {name!r} ({fn}) raised {type(e).__name__}: {e}",
+                                      traceback.format_exc()) from e
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError(f"reward term {name!r} returned {value!r}; expected a finite number")
+                raise RewardTermError(name, f"reward term {name!r} returned {value!r}; expected a finite number "
+                                            f"(function {fn})")
             terms[name] = spec.weight * float(value)
-        return sum(terms.values()), terms
+            if not math.isfinite(terms[name]):
+                raise RewardTermError(name, f"reward term {name!r}: weight {spec.weight!r} x {value!r} overflows")
+        total = sum(terms.values())
+        if not math.isfinite(total):
+            raise RewardTermError(next(iter(terms)), f"the reward terms {terms} sum to {total}")
+        return total, terms
 
 
 def _first_error(e: ValidationError, source: str, model: type[BaseModel] | None = None) -> RewardConfigError:
@@ -133,10 +155,16 @@ def load_reward_config(path: str | Path = DEFAULT_PATH) -> RewardConfig:
         text = Path(path).read_text()
     except OSError as e:
         raise RewardConfigError(source, "", f"cannot read file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise RewardConfigError(source, "", f"invalid YAML: not UTF-8 text (byte {e.start})") from None
+    except ValueError as e:  # e.g. a NUL in the path
+        raise RewardConfigError(source, "", f"cannot read file: {e}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RewardConfigError(source, "", f"invalid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise RewardConfigError(source, "", "invalid YAML: nested too deeply") from None
     return RewardConfig.from_dict(data, source)

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from rewards import DEFAULT_PATH, RewardConfigError, load_reward_config
+from rewards import DEFAULT_PATH, RewardConfigError, RewardTermError, load_reward_config
 
 CUSTOM = '''
 def bonus(info, num_model_tokens, num_turns, scale=1.0):
@@ -110,5 +110,5 @@ def test_unreadable_files(write, text, problem):
 
 def test_custom_term_must_return_a_number(write):
     config = load_reward_config(write("terms:\n  x: {weight: 1, function: 'my_terms:broken'}\n"))
-    with pytest.raises(TypeError, match="reward term 'x' returned 'lots'"):
+    with pytest.raises(RewardTermError, match="reward term 'x' returned 'lots'"):
         config.score({"success": True}, 1, 1)
