@@ -24,6 +24,8 @@ BUILTIN = {
     "marathon/Arithmetic-v0": "envs.arithmetic:ArithmeticEnv",
     "marathon/Retrieval-v0": "envs.retrieval:RetrievalEnv",
     "marathon/CodeSandbox-v0": "envs.code_sandbox:CodeSandboxEnv",
+    "marathon/Dataset-v0": "envs.dataset:DatasetEnv",  # tasks from a file, tools and verifier from the config
+    "marathon/HeavyTail-v0": "envs.heavytail:HeavyTailEnv",  # turns and answer lengths with long tails (benchmarks)
 }
 
 
