@@ -11,10 +11,10 @@ settings) and may carry a validation gate that must pass before the next stage s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -22,7 +22,18 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and inf are never meaningful settings (an lr of inf passes gt=0): refused like any malformed value
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _usable_path(value: str | None) -> str | None:
+    """Paths the run reads or writes: not empty, no NUL (which no OS call accepts)."""
+    if value is not None and (not value or "\x00" in value):
+        raise ValueError(f"not a usable path: {value!r}")
+    return value
+
+
+UsablePath = Annotated[str, AfterValidator(_usable_path)]
 
 
 class ModelSection(_Section):
@@ -30,7 +41,7 @@ class ModelSection(_Section):
 
     source: Literal["tiny-qwen3", "marathon", "path"] = "tiny-qwen3"
     preset: str = "tiny"  # MarathonConfig preset, when source == "marathon"
-    path: str | None = None  # an HF checkpoint directory (tokenizer files next to it), when source == "path"
+    path: UsablePath | None = None  # an HF checkpoint directory (tokenizer files next to it), when source == "path"
     init_seed: int = 0  # random init of the tiny models
     vocab_size: int = Field(512, ge=64)  # tokenizer size of the tiny models (model/tokenizer.py)
     overrides: dict[str, Any] = Field(default_factory=dict)  # config fields, e.g. {num_hidden_layers: 2}
@@ -71,6 +82,17 @@ class RolloutSection(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     num_cpus_per_worker: float = Field(1.0, ge=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
+    # sync: each RL step rolls out its batch, then trains, then syncs weights (rollout and learner take turns).
+    # async (marathon/async_loop.py): the workers run episodes continuously on vLLM's async engine while the
+    # learner trains; new weights are loaded between engine steps and episodes in flight continue under them
+    # (partial rollouts; every token keeps the version that sampled it and its behaviour logprob).
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # async: train on an episode only if its oldest token is <= this many versions old
+    stale_episodes: Literal["drop", "rerun"] = "rerun"  # async: what happens to an episode older than that
+    # Env faults are data (envs/guard.py): a reset/step past this limit, or one that raises, ends just its episode
+    env_timeout_s: float | None = Field(60.0, gt=0)  # None: no limit
+    # ...but a run whose every episode fails this many RL steps in a row stops (with the commonest failure)
+    max_failed_steps: int = Field(3, ge=1)
 
 
 class LossSection(_Section):
@@ -83,6 +105,9 @@ class LossSection(_Section):
     tis_cap: float | None = Field(2.0, gt=0)  # truncated importance weight min(pi_old / pi_rollout, cap)
     ratio_mask: tuple[float, float] | None = (0.5, 5.0)  # drop tokens whose pi_old / pi_rollout leaves this range
     kl_coef: float = Field(0.0, ge=0)  # k3 KL to a frozen reference (the policy at the start of RL)
+    # truncated importance weight pi_old / pi_rollout per token, or per behaviour segment (the tokens of one
+    # episode sampled by one policy version: geometric mean, capped and masked as a whole; learner/losses.py)
+    is_level: Literal["token", "segment"] = "token"
 
     @model_validator(mode="after")
     def _mask_range(self) -> "LossSection":
@@ -108,8 +133,25 @@ class LearnerSection(_Section):
     packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel
+    num_ranks: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)  # ranks that split one packed row (must divide num_ranks)
+    num_cpus: float = Field(1.0, ge=0)  # per rank
+    num_gpus: float = Field(0.0, ge=0)  # per rank: one DeepSpeed rank drives at most one GPU
+    # Weight sync to the rollout workers: buckets of about this many MiB, in the rollout's dtype ("auto": the
+    # workers' dtype, bf16 for a bf16 learner), streamed from learner rank 0 (learner/weight_sync.py)
+    weight_sync_bucket_mb: int = Field(256, ge=1)
+    weight_sync_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # An actor that dies (learner, or a rollout worker during a weight sync): the driver restarts the actors from
+    # the last checkpoint, at most this many times per driver process
+    max_restarts: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> "LearnerSection":
+        if self.num_gpus > 1:
+            raise ValueError(f"learner.num_gpus is per rank and a DeepSpeed rank drives one GPU (got {self.num_gpus}); "
+                             "set learner.num_ranks for more GPUs")
+        return self
 
 
 class SFTSection(_Section):
@@ -145,6 +187,8 @@ class ParallelSection(_Section):
     """Parallel settings a stage may change."""
 
     zero_stage: Literal[0, 1, 2, 3] | None = None
+    num_learner_ranks: int | None = Field(None, ge=1)  # learner.num_ranks for this stage
+    context_parallel_size: int | None = Field(None, ge=1)  # learner.context_parallel_size for this stage
     num_rollout_workers: int | None = Field(None, ge=1)
     rollout_tensor_parallel_size: int | None = Field(None, ge=1)
     gradient_checkpointing: bool | None = None
@@ -166,8 +210,8 @@ class StageSection(_Section):
 
 class RunConfig(_Section):
     seed: int = 0
-    output_dir: str = "runs/tiny"
-    rewards: str = "rewards/default.yaml"  # reward config file (relative: to the config file, then the package)
+    output_dir: UsablePath = "runs/tiny"
+    rewards: UsablePath = "rewards/default.yaml"  # reward config file (relative: to the config file, then the package)
     steps: int = Field(0, ge=0)  # RL steps of the single stage when ``stages`` is empty
     checkpoint_every: int = Field(10, ge=1)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -207,6 +251,8 @@ class RunConfig(_Section):
                     max_new_tokens_per_turn=s.max_new_tokens_per_turn or self.rollout.max_new_tokens_per_turn,
                     env_kwargs={**self.env.kwargs, **s.env_kwargs},
                     zero_stage=self.learner.zero_stage if p.zero_stage is None else p.zero_stage,
+                    num_learner_ranks=p.num_learner_ranks or self.learner.num_ranks,
+                    context_parallel_size=p.context_parallel_size or self.learner.context_parallel_size,
                     num_rollout_workers=p.num_rollout_workers or self.rollout.num_workers,
                     rollout_tensor_parallel_size=p.rollout_tensor_parallel_size or self.rollout.tensor_parallel_size,
                     gradient_checkpointing=(
@@ -231,6 +277,8 @@ class Stage(_Section):
     max_new_tokens_per_turn: int
     env_kwargs: dict[str, Any]
     zero_stage: int
+    num_learner_ranks: int
+    context_parallel_size: int
     num_rollout_workers: int
     rollout_tensor_parallel_size: int
     gradient_checkpointing: bool
@@ -273,6 +321,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}".replace("\n", " ")) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid YAML: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror}") from None
     for key, value in (overrides or {}).items():
         node = data if isinstance(data, dict) else {}
         *parents, last = key.split(".")

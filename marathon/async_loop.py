@@ -166,12 +166,7 @@ class AsyncSteps:
                     step_start = idle_since = now
                     wait_s, dropped, rerun, gen_tokens = 0.0, 0, 0, 0
                     train = None
-                    every = cfg.eval.every
-                    if every and state.stage_step % every == 0 and state.stage_step < stage.steps:
-                        res = tr._eval(state, f"{stage.name}@{state.stage_step}", stage)
-                        tr.metrics.add_to_last({"eval/success": res["success"]})
-                    if state.stage_step % cfg.checkpoint_every == 0 and state.stage_step < stage.steps:
-                        tr._save(state)
+                    tr._between_steps(state, stage)
                     idle_since = time.perf_counter()
         finally:
             stream.close()  # episodes still running are dropped: the stage's evaluation runs on quiet engines

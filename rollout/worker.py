@@ -69,6 +69,9 @@ class GenResult:
     # [n, num_moe_layers, top_k] experts of the tokens the model ran on: prompt_ids[routed_experts_from:] and
     # all sampled ids but the last (which is not run through the model); None unless requested
     routed_experts: list | None = None
+    # the policy version that sampled each id (async engines: weights may change mid-turn); None: all of
+    # ``policy_version``
+    token_versions: list[int] | None = None
 
 
 class WeightSyncExtension:
@@ -90,6 +93,47 @@ class WeightSyncExtension:
             torch.cuda.synchronize(device)
         return len(weights)
 
+    def marathon_load_weights_blob(self, blob: bytes) -> int:
+        """``marathon_load_weights`` for engines in another process (vLLM's ``AsyncLLM``): its RPC serializer
+        hands untyped arguments over as plain lists, so the tensors travel as one ``torch.save`` blob."""
+        import io
+
+        weights = torch.load(io.BytesIO(blob), weights_only=True)
+        return self.marathon_load_weights(list(weights.items()))
+
+
+    # -- streamed updates (learner.weight_sync): one in-place reload spanning many buckets -----------------------
+    def marathon_stream_begin(self) -> None:
+        """Open an in-place reload: layers are restored to checkpoint layout and process their new weights as
+        soon as all of them arrived, bucket after bucket (vLLM's layerwise reload)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def marathon_stream_load(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket's whole tensors (HF names) through the model's ``load_weights``."""
+        from vllm.config import set_current_vllm_config
+
+        device = self.model_runner.device
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights((n, t.to(device, non_blocking=True)) for n, t in weights)
+        return len(weights)
+
+    def marathon_stream_finish(self) -> None:
+        """Close the reload: layers not fully loaded keep their weights; caches derived from weights reset."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(runner, reset, lambda: None)()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+
 
 class RolloutWorker:
     """A vLLM engine serving one policy version at a time."""
@@ -103,6 +147,10 @@ class RolloutWorker:
 
         self.config = config
         self.version = 0
+        # since start: seconds inside engine calls, prompt tokens sent and how many of them vLLM's prefix cache
+        # served (``stats``; benchmarks report the engine's idle fraction and the prefix-cache hit rate)
+        self.counters = {"busy_s": 0.0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
+        self._started = time.perf_counter()
         self.llm = LLM(
             model=config.model,
             dtype=config.dtype,
@@ -179,8 +227,15 @@ class RolloutWorker:
             )
             index.append(i)
         outputs = []
+        t0 = time.perf_counter()
         for lo, hi in split_by_token_budget([len(p["prompt_token_ids"]) for p in prompts], self.prefill_budget):
             outputs += self.llm.generate(prompts[lo:hi], params[lo:hi], use_tqdm=False)
+        c = self.counters
+        c["busy_s"] += time.perf_counter() - t0
+        c["requests"] += len(outputs)
+        c["prompt_tokens"] += sum(len(p["prompt_token_ids"]) for p in prompts)
+        c["cached_tokens"] += sum(int(out.num_cached_tokens or 0) for out in outputs)
+        c["generated_tokens"] += sum(len(out.outputs[0].token_ids) for out in outputs)
         for i, out in zip(index, outputs):
             r, c = requests[i], out.outputs[0]
             ids = list(c.token_ids)
@@ -192,6 +247,10 @@ class RolloutWorker:
             results[i] = GenResult(r.request_id, ids, lps, reason, self.version, experts)
         return [results[i] for i in range(len(requests))]
 
+    def stats(self) -> dict[str, Any]:
+        """``counters`` and the seconds since the engine started (``wall_s``)."""
+        return {**self.counters, "wall_s": time.perf_counter() - self._started, "version": self.version}
+
     def update_weights(self, weights: WeightsArg, version: int) -> float:
         """Load new weights (HF parameter names, any subset) into the running engine; returns seconds taken.
 
@@ -201,6 +260,35 @@ class RolloutWorker:
         self.llm.collective_rpc("marathon_load_weights", args=(named,))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+        self.version = version
+        return time.perf_counter() - t0
+
+    # streamed updates: the learner's rank 0 calls these directly (learner/weight_sync.py), in order
+    def begin_weight_update(self, version: int) -> None:
+        """Start receiving policy ``version`` bucket by bucket (no generation until `finish_weight_update`)."""
+        from learner.weight_sync import BucketAssembler
+
+        self._incoming = (version, BucketAssembler(), time.perf_counter())
+        self.llm.collective_rpc("marathon_stream_begin")
+
+    def load_weight_bucket(self, bucket) -> int:
+        """Load one ``learner.weight_sync.WeightBucket`` (read in place from the object store)."""
+        version, assembler, _ = self._incoming
+        if bucket.version != version:
+            raise RuntimeError(f"weight bucket of version {bucket.version} during the update to {version}")
+        whole = assembler.add(bucket)
+        return self.llm.collective_rpc("marathon_stream_load", args=(whole,))[0] if whole else 0
+
+    def finish_weight_update(self, version: int) -> float:
+        """End the stream: serve ``version`` (prefix cache reset); returns seconds since it began."""
+        expected, assembler, t0 = self._incoming
+        if version != expected:
+            raise RuntimeError(f"finishing the update to {version}, but {expected} was begun")
+        assembler.check_done()
+        self.llm.collective_rpc("marathon_stream_finish")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+        self._incoming = None
         self.version = version
         return time.perf_counter() - t0
 

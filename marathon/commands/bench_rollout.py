@@ -280,13 +280,8 @@ def episodes_main(args: argparse.Namespace, modes: list[str]) -> int:
           for r in results],
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "episodes.md").write_text(text)
-    (out / "episodes.json").write_text(json.dumps({"command": cmd, "results": results}, indent=2))
-    return 0
+    return _report(lines, args.out, {"episodes.md": None,
+                                     "episodes.json": json.dumps({"command": cmd, "results": results}, indent=2)})
 
 
 def tokens_main(args: argparse.Namespace) -> int:
@@ -341,9 +336,15 @@ def tokens_main(args: argparse.Namespace) -> int:
           f"| {tokens[name] / best[name] / base:.1f}x |" for name, s in seconds.items()],
         "",
     ]
+    return _report(lines, args.out, {"results.md": None})
+
+
+def _report(lines: list[str], out_dir: str, files: dict[str, str | None]) -> int:
+    """Print the report and write it under ``out_dir``: each file gets its text (None: the report itself)."""
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(text)
+    for name, body in files.items():
+        (out / name).write_text(text if body is None else body)
     return 0
