@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--tput-requests", type=int, default=4, help="decode-throughput batch (0: skip)")
     p.add_argument("--tput-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-overrides", default="{}", type=json.loads,
+                   help='JSON of tiny-preset overrides for every layout, e.g. \'{"first_k_dense": 4}\' (all FFNs dense)')
     p.add_argument("--out", default="benchmarks/parity", help="results directory ('' = print only)")
     p.set_defaults(func=run)
 
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             model_dir = write_tiny_marathon(Path(tmp) / name, seed=args.seed, layer_layout=CONFIGS[name],
-                                            max_position_embeddings=max(lengths))
+                                            max_position_embeddings=max(lengths), **args.model_overrides)
             for dtype in dtypes:
                 for mode in (modes if "L" in CONFIGS[name] else ["default"]):  # no linear layers: one mode
                     for r in measure(model_dir, name, dtype, mode, args):
