@@ -75,15 +75,9 @@ def test_tp2_inplace_update_matches_tp1(tp2_worker, tp2_engine, marathon_engine,
     """Full HF tensors loaded into the running TP=2 engine the way `RolloutWorker.update_weights` does (each rank
     takes its slices) serve what a TP=1 engine of the new weights serves. Both engines are restored."""
     from model.modeling import MarathonForCausalLM
+    from rollout.vllm_plugin.tiny import write_perturbed
 
-    perturbed = MarathonForCausalLM.from_pretrained(tiny_marathon_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for t in perturbed.state_dict().values():
-            if t.is_floating_point():
-                t.add_(0.05 * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=g))
-    perturbed.save_pretrained(tmp_path)
-    new = list(perturbed.state_dict().items())
+    new = list(write_perturbed(tiny_marathon_dir, tmp_path).state_dict().items())
     old = list(MarathonForCausalLM.from_pretrained(tiny_marathon_dir, dtype=torch.float32).state_dict().items())
     before = _greedy(tp2_engine)
     try:
