@@ -2,7 +2,7 @@
 
 vLLM owns the per-request state (`MambaBase`: one state slot per running request, allocated by the hybrid
 KV-cache manager, batch metadata from the GDN backend): a conv state [W-1, 2HK+HV] (model dtype: the last
-W-1 projected q|k|v inputs) and the recurrent state [H, K, V] in fp32. The math is `model.attention.linear`'s,
+W-1 projected q|k|v inputs) and the recurrent state [H, K, V] in fp32 (H: this rank's linear_num_heads / tp). The math is `model.attention.linear`'s,
 through the same kernels: `kernels.gated_delta_rule` (chunked) for prefill chunks, `kernels.gated_delta_rule_step`
 for decode tokens, so the server's logprobs match the learner's forward.
 
