@@ -96,6 +96,32 @@ def test_tp2_inplace_update_matches_tp1(tp2_worker, tp2_engine, marathon_engine,
     assert moved > 100 * BOUND, "the new weights should be visible in the TP=2 engine's logprobs"
 
 
+@pytest.mark.vllm
+def test_tp2_streamed_update_serves_the_streamed_weights(tp2_engine, marathon_engine, tiny_marathon_dir, tmp_path):
+    """The learner's streamed sync (`WeightSyncExtension.marathon_stream_*`: vLLM's layerwise reload, buckets of
+    full tensors that split layers across buckets) under TP=2: new weights show, and streaming the originals
+    back serves TP=1's logprobs again."""
+    from model.modeling import MarathonForCausalLM
+    from rollout.vllm_plugin.tiny import write_perturbed
+
+    def stream(named):
+        tp2_engine.collective_rpc("marathon_stream_begin")
+        k = len(named) // 3
+        for bucket in (named[:k], named[k : 2 * k], named[2 * k :]):
+            tp2_engine.collective_rpc("marathon_stream_load", args=(bucket,))
+        tp2_engine.collective_rpc("marathon_stream_finish")
+        assert tp2_engine.reset_prefix_cache()
+
+    old = list(MarathonForCausalLM.from_pretrained(tiny_marathon_dir, dtype=torch.float32).state_dict().items())
+    reference = _greedy(marathon_engine)
+    stream(list(write_perturbed(tiny_marathon_dir, tmp_path, seed=6).state_dict().items()))
+    moved = _greedy(tp2_engine)
+    stream(old)
+    d = _max_diff(_greedy(tp2_engine), reference)
+    assert d < BOUND, d
+    assert max((a - b).abs().max().item() for (_, a), (_, b) in zip(moved, reference)) > 100 * BOUND
+
+
 def test_tp_that_does_not_divide_the_model_is_refused_in_one_message():
     from model.config import MarathonConfig
     from rollout.vllm_plugin.tp import check_tp, tp_problem
