@@ -4,8 +4,9 @@
 CPUs per rank, tokens per rank) and rollout workers (count, tensor parallelism, GPUs and CPUs each).
 ``layout_problems`` lists what cannot run, each as one message: a CP size that does not divide the learner
 ranks, context parallelism while the learner cannot do it yet or on a model it does not apply to, a rollout
-tensor-parallel size the serving stack cannot serve (the Marathon vLLM plugin serves TP 1; other models need
-heads divisible by it) or that the worker's GPUs cannot hold, a KL reference under ZeRO-3, more GPUs or CPUs
+tensor-parallel size the serving stack cannot serve (the Marathon vLLM plugin needs it to divide the heads
+of every attention kind and the FFN widths, `rollout.vllm_plugin.tp.tp_problem`; other models need heads
+divisible by it) or that the worker's GPUs cannot hold, a KL reference under ZeRO-3, more GPUs or CPUs
 than the cluster has. ``prepare`` (``marathon/driver.py``) refuses the first; ``marathon train CONFIG
 --dry-run`` prints the whole plan (``render``) with the predicted learner memory per rank (``model.memory``).
 
@@ -116,8 +117,9 @@ def _rollout_tp_problem(config: Any, tp: int) -> str | None:
     if tp == 1 or config is None:
         return None
     if getattr(config, "model_type", "") == "marathon":
-        return (f"rollout tensor parallel size {tp}: the Marathon vLLM plugin serves tensor_parallel_size 1 only "
-                "(rollout/vllm_plugin/model.py); use more rollout workers")
+        from rollout.vllm_plugin.tp import tp_problem  # no vLLM import: checked before Ray starts
+
+        return tp_problem(config, tp)
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads and heads % tp:

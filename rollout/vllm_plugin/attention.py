@@ -11,6 +11,15 @@ G: gated MLA served as multi-query attention over the latent. vLLM picks its MLA
    so the paged cache holds one KV "head" of size kv_lora_rank + qk_rope_head_dim per token: the latent and
    the rope key. vLLM's CPU attention has no separate value head size, so the value slot repeats the key
    (the attention output's first kv_lora_rank channels are the mixed latent).
+   Served cache bytes: the latent is cached TWICE, kv = [c_kv, k_pe] once as the key and again as the value,
+   2 * (kv_lora_rank + qk_rope_head_dim) elements per token and G layer (tiny fp32: 768 B; the 48B shapes in
+   bf16: 2304 B, against 1152 B for the latent once). Under tensor parallelism every rank caches the whole
+   latent (it is shared by all heads), so a TP engine holds tp such copies. Caching it once needs an MLA
+   backend (a value slot of size 0 or a kernel reading v from k), which vLLM's CPU attention does not have.
+
+Tensor parallelism: q heads are split (sliding: KV heads split too, or replicated when there are fewer KV
+heads than ranks; MLA: the per-head q / kv_b / g projections split, the latent projection kv_a_proj_with_mqa and
+its norm replicated, the one latent KV head on every rank); o_proj is row-parallel and all-reduced.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from vllm.model_executor.layers.attention import Attention
 from model.config import MarathonConfig
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding, apply_rotary
+from rollout.vllm_plugin import tp
 
 
 class _Rope(nn.Module):
@@ -63,16 +73,22 @@ def _check_cpu_head_size(head_size: int) -> None:
 class MarathonSlidingAttention(nn.Module):
     def __init__(self, config: MarathonConfig, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
-        D, hd = config.hidden_size, config.head_dim
-        q_size, kv_size = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        D, hd, ranks = config.hidden_size, config.head_dim, tp.tp_size()
+        heads, kv_heads = config.num_attention_heads // ranks, tp.kv_heads_local(config.num_key_value_heads, ranks)
+        q_size, kv_size = heads * hd, kv_heads * hd  # this rank's
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(D, q_size, bias=False), nn.Linear(D, kv_size, bias=False), nn.Linear(D, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, D, bias=False)
+        tp.column(self.q_proj)
+        replicas = max(1, ranks // config.num_key_value_heads)  # ranks sharing one KV head
+        tp.shard(self.k_proj, 0, replicas)
+        tp.shard(self.v_proj, 0, replicas)
+        tp.row(self.o_proj)
         self.rotary_emb = _rope(config, hd)
         self.attn = Attention(
-            config.num_attention_heads,
+            heads,
             hd,
             hd**-0.5,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=kv_heads,
             cache_config=cache_config,
             per_layer_sliding_window=config.sliding_window,
             prefix=f"{prefix}.attn",
@@ -80,15 +96,15 @@ class MarathonSlidingAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k = self.rotary_emb(positions, self.q_proj(x), self.k_proj(x))
-        return self.o_proj(self.attn(q, k, self.v_proj(x)))
+        return tp.all_reduce(self.o_proj(self.attn(q, k, self.v_proj(x))))
 
 
 class MarathonLatentAttention(nn.Module):
-    """Parameter names are those of `model.attention.mla.GatedMLA`."""
+    """Parameter names are those of `model.attention.mla.GatedMLA`. H: this rank's heads (module doc)."""
 
     def __init__(self, config: MarathonConfig, prefix: str):
         super().__init__()
-        D, H = config.hidden_size, config.mla_num_heads
+        D, H = config.hidden_size, config.mla_num_heads // tp.tp_size()
         self.num_heads, self.kv_lora_rank = H, config.kv_lora_rank
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
 
@@ -108,6 +124,8 @@ class MarathonLatentAttention(nn.Module):
         self.kv_b_proj = linear(self.kv_lora_rank, H * (self.nope + self.v_dim))  # used absorbed (weight only)
         self.g_proj = linear(D, H * self.v_dim)
         self.o_proj = linear(H * self.v_dim, D)
+        tp.column(self.q_proj if config.q_lora_rank is None else self.q_b_proj, self.kv_b_proj, self.g_proj)
+        tp.row(self.o_proj)
         self.rotary_emb = _rope(config, self.rope) if config.mla_use_rope else None
         self.latent_dim = self.kv_lora_rank + self.rope
         _check_cpu_head_size(self.latent_dim)
@@ -135,4 +153,4 @@ class MarathonLatentAttention(nn.Module):
         o = self.attn(q, kv, kv).view(N, H, self.latent_dim)[..., :r]  # mixed latent per head
         o = torch.einsum("nhr,hvr->nhv", o, w_uv)  # [N, H, v]: W_UV applied after attention
         o = o * torch.sigmoid(self.g_proj(x).view(N, H, self.v_dim))
-        return self.o_proj(o.reshape(N, H * self.v_dim))
+        return tp.all_reduce(self.o_proj(o.reshape(N, H * self.v_dim)))  # [N, D]

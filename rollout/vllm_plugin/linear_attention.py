@@ -2,7 +2,7 @@
 
 vLLM owns the per-request state (`MambaBase`: one state slot per running request, allocated by the hybrid
 KV-cache manager, batch metadata from the GDN backend): a conv state [W-1, 2HK+HV] (model dtype: the last
-W-1 projected q|k|v inputs) and the recurrent state [H, K, V] in fp32. The math is `model.attention.linear`'s,
+W-1 projected q|k|v inputs) and the recurrent state [H, K, V] in fp32 (H: this rank's linear_num_heads / tp). The math is `model.attention.linear`'s,
 through the same kernels: `kernels.gated_delta_rule` (chunked) for prefill chunks, `kernels.gated_delta_rule_step`
 for decode tokens, so the server's logprobs match the learner's forward.
 
@@ -37,6 +37,7 @@ from kernels.chunk_replay import CHUNK_SIZE, chunk_replay_decode, tail_width
 from model.attention.conv import ShortConv
 from model.config import MarathonConfig
 from model.norm import GatedRMSNorm
+from rollout.vllm_plugin import tp
 
 
 def exact_decode(config: MarathonConfig) -> bool:
@@ -44,10 +45,11 @@ def exact_decode(config: MarathonConfig) -> bool:
     return bool(getattr(config, "linear_exact_decode", False))
 
 
-def linear_state_shapes(config: MarathonConfig) -> tuple[tuple[int, ...], ...]:
-    """(conv state shape, recurrent state shape) of one L layer for one request; exact mode: the recurrent
-    state [H, K*V] and the tail [H, 63 * F] side by side."""
-    H, K, V = config.linear_num_heads, config.linear_head_k_dim, config.linear_head_v_dim
+def linear_state_shapes(config: MarathonConfig, tp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """(conv state shape, recurrent state shape) of one L layer for one request on one of ``tp`` tensor-parallel
+    ranks (H = linear_num_heads / tp local heads); exact mode: the recurrent state [H, K*V] and the tail
+    [H, 63 * F] side by side."""
+    H, K, V = config.linear_num_heads // tp, config.linear_head_k_dim, config.linear_head_v_dim
     conv = MambaStateShapeCalculator._orient_conv_shape(2 * H * K + H * V, config.linear_conv_kernel - 1)
     if exact_decode(config):
         return conv, (H, K * V + (CHUNK_SIZE - 1) * tail_width(K, V))
@@ -67,14 +69,19 @@ def linear_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dty
 
 
 class MarathonLinearAttention(nn.Module, MambaBase):
-    """Parameter names are those of `model.attention.linear.LinearAttention`, so checkpoints load 1:1."""
+    """Parameter names are those of `model.attention.linear.LinearAttention`, so checkpoints load 1:1.
+
+    Tensor parallelism: each rank runs H = linear_num_heads / tp heads end to end (their q/k/v, conv channels,
+    decay and beta, state [H, K, V], gated norm), and o_proj's partial sums are all-reduced. The low-rank
+    f_a / g_a projections (D -> K, D -> V) are shared by all heads and replicated."""
 
     def __init__(self, config: MarathonConfig, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.prefix = prefix
         self.vllm_config = vllm_config
         self.config = config
-        D, H = config.hidden_size, config.linear_num_heads
+        self.tp = tp.tp_size()
+        D, H = config.hidden_size, config.linear_num_heads // self.tp  # H: this rank's heads
         K, V = config.linear_head_k_dim, config.linear_head_v_dim
         self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
         self.gate_fn, self.g_min = config.linear_gate_fn, config.linear_g_min
@@ -93,6 +100,9 @@ class MarathonLinearAttention(nn.Module, MambaBase):
         self.g_a_proj, self.g_b_proj = linear(D, V), linear(V, H * V)
         self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         self.o_proj = linear(H * V, D)
+        tp.column(self.q_proj, self.k_proj, self.v_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d,
+                  self.f_b_proj, self.A_log, self.dt_bias, self.b_proj, self.g_b_proj)
+        tp.row(self.o_proj)
 
         self.exact = exact_decode(config)
         fused = self.gate_fn == "bounded" and self.g_min >= -5  # as model.attention.linear: the kernel takes logits
@@ -112,7 +122,7 @@ class MarathonLinearAttention(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.GDN_ATTN  # its metadata: decodes first, per-request state slots
 
     def get_state_shape(self):
-        return linear_state_shapes(self.config)
+        return linear_state_shapes(self.config, self.tp)
 
     def get_state_dtype(self):
         return linear_state_dtypes(self.vllm_config)
@@ -144,7 +154,7 @@ class MarathonLinearAttention(nn.Module, MambaBase):
             o[:n] = self._mix(x[:n], positions[:n], meta)
         gate = self.g_b_proj(self.g_a_proj(x)).view(N, H, V)
         o = self.o_norm(o, gate)  # [N, H, V]
-        return self.o_proj(o.reshape(N, H * V))
+        return tp.all_reduce(self.o_proj(o.reshape(N, H * V)))  # [N, D]: the ranks' heads summed
 
     def _mix(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Token mixing with vLLM-held states. x [n, D], positions [n] -> o [n, H, V] in x.dtype."""

@@ -8,8 +8,14 @@ residuals and the layer wiring follow `model.modeling.DecoderLayer` line by line
 `load_weights` takes HF names (the safetensors checkpoint `model/` saves, or the learner's state dict for an
 in-place update of a running engine) and returns the set of vLLM parameter names it filled.
 Projections are plain `nn.Linear`: vLLM's CPU linear layers free their weight after prepacking it, which
-would turn in-place updates into a re-pack of every layer. Tensor parallelism is not supported (the rollout
-workers are single-device engines).
+would turn in-place updates into a re-pack of every layer.
+
+Tensor parallelism (`tp.py`): heads of every attention kind, the dense / shared-expert FFN widths and the
+routed experts' widths are split across TP ranks; parameters keep local shapes and each sharded one carries a
+`weight_loader` that takes its slice of the FULL HF tensor, so checkpoints and learner updates (always full
+tensors) load the same way at any TP size. A TP size that does not divide the heads or FFN widths is refused
+(`tp.tp_problem`). Served MLA cache: the latent is cached twice per token (as key and as value), see
+`attention.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -33,8 +38,8 @@ from model.config import MarathonConfig
 from model.norm import RMSNorm  # the learner's cast order (weight applied in fp32), not vLLM's
 from rollout.vllm_plugin.attention import MarathonLatentAttention, MarathonSlidingAttention
 from rollout.vllm_plugin.linear_attention import MarathonLinearAttention, linear_state_dtypes, linear_state_shapes
-from model.moe import SwiGLU
-from rollout.vllm_plugin.moe import MarathonMoE
+from rollout.vllm_plugin import tp
+from rollout.vllm_plugin.moe import MarathonMoE, ParallelSwiGLU
 
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -54,7 +59,7 @@ class MarathonDecoderLayer(nn.Module):
             self.self_attn = MarathonLatentAttention(config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(D, eps=eps)
         self.is_moe = layer_idx >= config.first_k_dense
-        self.mlp = MarathonMoE(config, f"{prefix}.mlp") if self.is_moe else SwiGLU(D, config.intermediate_size)
+        self.mlp = MarathonMoE(config, f"{prefix}.mlp") if self.is_moe else ParallelSwiGLU(D, config.intermediate_size)
         self.attn_residual = config.attn_residual
         if config.attn_residual:
             self.attn_res = AttnResidualMix(D, eps) if layer_idx > 0 else None
@@ -106,9 +111,8 @@ class MarathonAttnForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        if get_tensor_model_parallel_world_size() != 1:
-            raise ValueError("the Marathon vLLM plugin runs with tensor_parallel_size=1 only")
         config: MarathonConfig = vllm_config.model_config.hf_config
+        tp.check_tp(config, tp.tp_size())
         if ("L" in config.layer_kinds) != getattr(self, "is_hybrid", False):
             raise ValueError(
                 f"layout {config.layer_layout!r} must be served as {serving_architecture(config)}, not "
@@ -171,7 +175,11 @@ class MarathonForCausalLM(MarathonAttnForCausalLM, HasInnerState, IsHybrid):
     # --- hybrid state declaration (one L layer's state per request) --------------------------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return linear_state_shapes(vllm_config.model_config.hf_config)
+        """One rank's shapes: the linear heads are split across tensor-parallel ranks."""
+        config = vllm_config.model_config.hf_config
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        tp.check_tp(config, ranks)
+        return linear_state_shapes(config, ranks)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):

@@ -8,6 +8,12 @@ this function returns.
 
 Expert weights: HF `experts.gate_up_proj` [E, D, 2F] / `experts.down_proj` [E, F, D] (in, out) load expert by
 expert into vLLM's `w13_weight` [E, 2F, D] (gate rows, then up) / `w2_weight` [E, D, F] (out, in).
+
+Tensor parallelism (as vLLM's own MoE models): FusedMoE holds every expert with F / tp of its intermediate
+width per rank; its weight loader takes the full per-expert tensors and narrows each of gate (w1), up (w3) and
+down (w2) to this rank's slice itself (the fused gate|up layout is split per half, never as one block), and it
+all-reduces the routed output. The router runs replicated (same routing on every rank). Shared experts and the
+dense FFN are `ParallelSwiGLU`: intermediate split, own all-reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +24,21 @@ from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
 from model.config import MarathonConfig
 from model.moe import Router, SwiGLU
+from rollout.vllm_plugin import tp
+
+
+class ParallelSwiGLU(SwiGLU):
+    """`model.moe.SwiGLU` (same parameter names) with its intermediate split across TP ranks: gate / up
+    column-parallel [I/tp, D], down row-parallel [D, I/tp], the partial outputs all-reduced."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__(hidden, intermediate // tp.tp_size())
+        tp.column(self.gate_proj, self.up_proj)
+        tp.row(self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, D]."""
+        return tp.all_reduce(super().forward(x))
 
 
 class MarathonMoE(nn.Module):
@@ -37,7 +58,7 @@ class MarathonMoE(nn.Module):
             routed_scaling_factor=1.0,  # applied inside `route`
         )
         self.shared_experts = (
-            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            ParallelSwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts > 0
             else None
         )
@@ -51,7 +72,7 @@ class MarathonMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
         logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # [N, E] (shape for vLLM)
-        out = self.experts(hidden_states=x, router_logits=logits)
+        out = self.experts(hidden_states=x, router_logits=logits)  # all-reduced by vLLM under TP
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -31,3 +31,18 @@ def write_tiny_marathon(path: str | Path, seed: int = 0, vocab_size: int = 512, 
                 t.copy_(1 + 0.1 * torch.randn(t.shape, generator=gen))
     model.save_pretrained(path)
     return path
+
+
+def write_perturbed(src: str | Path, dst: str | Path, seed: int = 5, scale: float = 0.05):
+    """The checkpoint at ``src`` with every float tensor moved by ``scale`` of its std (Gaussian), saved to
+    ``dst``: "new weights" for in-place update tests. Returns the perturbed HF model (fp32, eval)."""
+    from model.modeling import MarathonForCausalLM
+
+    model = MarathonForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(scale * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=gen))
+    model.save_pretrained(dst)
+    return model
