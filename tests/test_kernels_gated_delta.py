@@ -65,7 +65,9 @@ def test_chunked_matches_recurrent_bf16():
         assert err <= BF16_REL_TOL * scale, f"{name}: max abs error {err:.2e} > {BF16_REL_TOL} * {scale:.2f}"
 
 
-def test_cu_seqlens_equals_separate_sequences():
+@pytest.mark.parametrize("pad_waste", [float("inf"), 0.0], ids=["padded-batch", "laid-out-row"])
+def test_cu_seqlens_equals_separate_sequences(pad_waste, monkeypatch):
+    monkeypatch.setattr("kernels.chunked_gated_delta.PAD_WASTE", pad_waste)  # both layouts of packed sequences
     lengths = [5, 70, 16, 90]  # shorter than a tile, over a chunk, exactly a tile, two chunks with a tail
     q, k, v, g, beta, _ = make_inputs(B=1, T=sum(lengths))
     h0 = torch.randn(len(lengths), 2, 16, 8, generator=torch.Generator().manual_seed(1))
