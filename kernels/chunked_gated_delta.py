@@ -102,18 +102,18 @@ def _rows(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
     if cu_seqlens is None:
         return _chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
 
-    # Packed sequences laid end to end, each padded to a multiple of the chunk: [1, T', H, ...] with T' <= T +
-    # N (C - 1). Padding tokens have k = 0, beta = 0 and g = 0 (no decay), so they leave the state untouched;
-    # the state resets where each sequence's first chunk starts, and each final state is read after its last.
     C = chunk_size
     bounds = [int(x) for x in cu_seqlens.tolist()]
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    laid_out = sum(-(-n // C) * C for n in lengths)
-    if len(lengths) * -(-max(lengths) // C) * C <= PAD_WASTE * laid_out:
-        return _batched(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, C, exact_diagonal)
-    starts = [0]
+    starts = [0]  # each sequence's first token in the laid-out row, and its end
     for n in lengths:
         starts.append(starts[-1] + -(-n // C) * C)
+    if len(lengths) * -(-max(lengths) // C) * C <= PAD_WASTE * starts[-1]:
+        return _batched(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, lengths, C, exact_diagonal)
+
+    # Packed sequences laid end to end, each padded to a multiple of the chunk: [1, T', H, ...] with T' <= T +
+    # N (C - 1). Padding tokens have k = 0, beta = 0 and g = 0 (no decay), so they leave the state untouched;
+    # the state resets where each sequence's first chunk starts, and each final state is read after its last.
     shift = torch.tensor([s - lo for s, lo in zip(starts[:-1], bounds[:-1])], device=q.device)
     dest = torch.arange(bounds[-1], device=q.device) + torch.repeat_interleave(
         shift, torch.tensor(lengths, device=q.device))  # [T]: each token's place in the laid-out row
@@ -126,14 +126,14 @@ def _rows(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
     return o.index_select(1, dest), final_state  # [1, T, H, V]
 
 
-def _batched(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, chunk_size, exact_diagonal):
+def _batched(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, lengths, chunk_size,
+             exact_diagonal):
     """Packed sequences as a zero-padded batch [N, T_max, H, ...]: padding tokens have k = 0, beta = 0 and g = 0
     (no decay), so they leave the state untouched and each final state is its sequence's own."""
-    segments = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    padded = [pad_sequence([x[0, s] for s in segments], batch_first=True) for x in (q, k, v, g, beta)]
+    padded = [pad_sequence([x[0, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], batch_first=True)
+              for x in (q, k, v, g, beta)]
     o, final_state = _chunked(*padded, scale, initial_state, output_final_state, chunk_size, exact_diagonal)
-    lengths = torch.tensor([s.stop - s.start for s in segments], device=o.device)
-    valid = torch.arange(o.shape[1], device=o.device) < lengths[:, None]  # [N, T_max]
+    valid = torch.arange(o.shape[1], device=o.device) < torch.tensor(lengths, device=o.device)[:, None]  # [N, T_max]
     return o[valid].unsqueeze(0), final_state  # [1, T, H, V]
 
 
