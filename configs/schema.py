@@ -132,6 +132,8 @@ class LearnerSection(_Section):
     micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed micro-batch
     packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
+    # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
+    offload_activations_tokens: int | None = Field(None, ge=1)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel
     num_ranks: int = Field(1, ge=1)

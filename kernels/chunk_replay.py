@@ -45,8 +45,10 @@ def unpack_tokens(rows: torch.Tensor, head_k_dim: int, dtype: torch.dtype):
     """Rows [B, n, H, F] -> (q, k, v in ``dtype``; g, beta fp32): [B, n, H, .], beta [B, n, H]."""
     K = head_k_dim
     V = rows.shape[-1] - 3 * K - 1
-    q, k, v, g, beta = rows.split([K, K, V, K, 1], dim=-1)
-    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta[..., 0]
+    # contiguous, as the learner's inputs are: a strided view can take another matmul kernel (another summation
+    # order) on some CPUs
+    q, k, v, g, beta = (x.contiguous() for x in rows.split([K, K, V, K, 1], dim=-1))
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta[..., 0].contiguous()
 
 
 def chunk_replay(

@@ -20,6 +20,7 @@ import torch
 
 from configs.schema import LearnerSection, LossSection
 from learner import data_parallel as dp
+from learner import offload
 from learner.dist import init_distributed
 from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
@@ -96,6 +97,8 @@ class Learner:
             module = load_causal_lm(model_dir, dtype, self.device)
         if cfg.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing:
             module.gradient_checkpointing_enable()
+            if cfg.offload_activations_tokens:
+                offload.install(module, cfg.offload_activations_tokens)
         module.config.use_cache = False
         self.forward_kwargs = set(inspect.signature(module.forward).parameters)
         # Packing needs a varlen forward (cu_seqlens); a plain HF model would attend over the whole packed row

@@ -65,15 +65,16 @@ HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
 
 
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
-                         bf16: bool = True, checkpointing: bool = True) -> dict[str, int]:
+                         bf16: bool = True, checkpointing: bool = True, offload: bool = False) -> dict[str, int]:
     """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
              fp32 master weights 4 P and fp32 gradient accumulators 4 P (DeepSpeed's bf16 optimizer); ZeRO-1
              shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
-    saved:   with activation checkpointing, each layer's input [T, D] (and each completed attention-residual
-             block) stays alive until the backward; without it, every layer's intermediates (~ the transient
-             below, per layer).
+    saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
+             backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
+             the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
+             on the device. Without checkpointing, every layer's intermediates (~ the transient below, per layer).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
              (calibrated on the H200) for one segment, q/k/v/gate projections; the MoE on one expert chunk
              (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out; the chunked LM head.
@@ -91,7 +92,7 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     grads = P * w // (dp if zero_stage >= 2 else 1)
     optimizer = P * (8 + (8 if bf16 else 0)) // (dp if zero_stage >= 1 else 1)
     D, kinds = c.hidden_size, c.layer_kinds
-    blocks = (len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0
+    blocks = -(-len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0  # blocks started
     H, K, V = c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
     kda = min(T, KDA_SEGMENT) * H * KDA_BYTES_PER_TOKEN_HEAD * (K + V) // 256 + T * H * (3 * K + V) * a * 2
     te = min(T, EXPERT_CHUNK) * c.num_experts_per_tok
@@ -99,7 +100,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     mla = T * c.mla_num_heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2
     head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * D * a
     transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head)
-    saved = (len(kinds) + blocks) * T * D * a if checkpointing else len(kinds) * transient
+    halves = 0 if offload else 2 * len(kinds) - blocks
+    saved = (halves + blocks) * T * D * a if checkpointing else len(kinds) * transient
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())

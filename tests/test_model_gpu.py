@@ -63,3 +63,81 @@ def test_bf16_training_step_long_row():
         bf16 = model.eval()(ids, routed_experts=out.routed_experts).logits.float()
     rel = (bf16 - fp32).norm() / fp32.norm()
     assert rel < 0.05, rel
+
+
+def test_activation_offload_keeps_gradients_and_frees_device_memory():
+    """learner/offload.py: the checkpointed layer inputs live on the host between forward and backward; the
+    gradients are those of plain checkpointing, and the memory held after the forward is smaller."""
+    from learner import offload
+
+    cfg = dict(hidden_size=512, num_hidden_layers=8, sliding_window=256, attn_residual_block_size=4)
+    ids = torch.randint(0, 512, (1, 8192), device="cuda")
+    grads, held = [], []
+    for use in (False, True):
+        model = tiny(**cfg).cuda().train()
+        model.gradient_checkpointing_enable()
+        if use:
+            assert offload.install(model, min_tokens=1024) >= 1
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = model(ids, labels=ids)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated() - base)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # 8 layers x 2 halves x [8192, 512] fp32 = 256 MiB of layer inputs leave the device
+    assert held[1] < held[0] - 200 * 2**20, held
+
+
+def test_learner_on_cuda_trains_in_bf16(monkeypatch):
+    """`learner.Learner` on the GPU: micro-batches on the device, bf16 weights (fp32 masters in DeepSpeed), one
+    GRPO update through the Triton kernel changes the weights and keeps them finite."""
+    import tempfile
+
+    from deepspeed.accelerator import real_accelerator
+
+    # tests/conftest.py defaults DeepSpeed to the CPU accelerator for the CPU suite: this test wants CUDA's
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
+
+    from configs.schema import LearnerSection
+    from learner.engine import Learner
+    from learner.packing import Sample
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny().to(torch.bfloat16).save_pretrained(tmp)
+        learner = Learner(tmp, LearnerSection(dtype="bfloat16", gradient_checkpointing=True,
+                                              offload_activations_tokens=256))
+    assert learner.device.type == "cuda" and next(learner.module.parameters()).dtype == torch.bfloat16
+    before = [p.detach().clone() for p in learner.module.parameters()]
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(8, 512, (n,), generator=g).tolist(), [0] * 8 + [1] * (n - 8),
+                      [-1.0] * n, advantage=a) for n, a in ((300, 1.0), (77, -1.0), (513, 0.5))]
+    assert all(mb.input_ids.is_cuda for mb in learner.micro_batches(samples))
+    stats = learner.train_rl(samples)
+    assert torch.isfinite(torch.tensor(stats["loss"]))
+    after = list(learner.module.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_chunked_logprob_head_equals_plain_on_cuda(dtype, tol):
+    """learner/logprobs.py's token-chunked head (never [T, vocab] logits) against the plain log-softmax on the
+    GPU: logprobs and the gradients of the hidden states and the head weight, at a 160K vocabulary."""
+    from learner.logprobs import head_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, 163840, bias=False).cuda().to(dtype)
+    hidden = (torch.randn(3000, 256, device="cuda") * 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, 163840, (3000,), device="cuda")
+    plain = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None])[:, 0]
+    plain.sum().backward()
+    ref = (plain.detach(), hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad = head.weight.grad = None
+    chunked = head_logprobs(head, hidden, targets)
+    chunked.sum().backward()
+    for a, b in zip((chunked.detach(), hidden.grad, head.weight.grad), ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)

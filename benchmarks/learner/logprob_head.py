@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ print(json.dumps({"mode": mode, "tokens": T, "vocab": V, "hidden": D, "device": 
 
 def run_case(mode: str, tokens: int, vocab: int, hidden: int, device: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", CASE, mode, str(tokens), str(vocab), str(hidden), device],
-                          capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"})
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                                       "OMP_NUM_THREADS": "2"})
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode} (killed: out of memory?)"]
         return {"mode": mode, "tokens": tokens, "vocab": vocab, "hidden": hidden, "device": device, "error": tail[0]}

@@ -234,9 +234,10 @@ def _packed_lengths(T: int, seed: int = 0) -> list[int]:
     return out
 
 
-def _bench_shapes(have_fla: bool) -> list[dict]:
+def _bench_shapes(have_fla: bool, save) -> list[dict]:
     """Forward and forward+backward ms of ours through ``kernels.gated_delta_rule`` (gate logits, fused, as the
-    model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES."""
+    model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES; ``save(rows)``
+    after each shape, so a run cut short keeps what it measured."""
     import torch
 
     import kernels
@@ -270,6 +271,7 @@ def _bench_shapes(have_fla: bool) -> list[dict]:
             row["ours_over_fla_fwd"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
         print(json.dumps(row), flush=True)
         rows.append(row)
+        save(rows)
     return rows
 
 
@@ -511,9 +513,11 @@ def main(args: argparse.Namespace) -> int:
             "command": "marathon bench kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                             if a not in ("bench", "kernels"))}
     if args.shapes:
-        rows = _bench_shapes(not fla_version.startswith("not"))
-        (out / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
+        def save(rows):
+            (out / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
+
+        rows = _bench_shapes(not fla_version.startswith("not"), save)
         return 0 if all("ours_fwd_bwd_ms" in r for r in rows) else 1
     if args.checks_only:
         checks = {}

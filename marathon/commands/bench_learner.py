@@ -22,6 +22,7 @@ import math
 import shlex
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 PRESET_NOTE = {"learner-bench": "hidden 2048, 12 layers LLSG (6 KDA x 16 heads of 128, 3 sliding GQA window 4096, "
@@ -42,10 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single", default="1048576", help="single-episode lengths (0: none)")
     parser.add_argument("--episode-tokens", default="2048,16384", help="min,max length of a packed episode")
     parser.add_argument("--micro-batch-tokens", type=int, default=262144)
+    parser.add_argument("--offload-tokens", type=int, default=1048576,
+                        help="rows of at least this many tokens keep their checkpointed layer inputs in host memory "
+                             "(learner/offload.py; 0: never)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--max-step-s", type=float, default=150.0,
-                        help="skip a case whose step is predicted (from the last case, T^2 for MLA) to exceed this")
-    parser.add_argument("--no-layer-times", action="store_true", help="skip the per-layer-type timings")
+                        help="skip a case whose step is predicted (the last case's time scaled by model FLOPs) to "
+                             "exceed this")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="updates per case; the time reported is the last (steady state), with the phases")
+    parser.add_argument("--repeat-max-s", type=float, default=30.0, help="repeat only cases whose update took less")
+    parser.add_argument("--layer-times-max-tokens", type=int, default=262144,
+                        help="time each layer type on its own only on rows up to this long (0: never)")
     parser.add_argument("--out", default="benchmarks/learner", help="output folder")
 
 
@@ -161,6 +170,47 @@ def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
     return out
 
 
+def _timed_update(learner, samples, device) -> tuple[float, dict]:
+    import torch
+
+    t0 = time.perf_counter()
+    stats = learner.train_rl(samples)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, stats
+
+
+@contextmanager
+def _phase_times(learner, device):
+    """Seconds spent in the decoder's forward (the layers, not the logprob head), the engine's backward (recompute
+    included) and its optimizer step during the block, the device synchronised at each boundary; the rest of an
+    update (collate, the head's forward, the loss) is the difference to its wall time."""
+    import torch
+
+    owners = {"forward": learner.module.get_decoder(), "backward": learner.engine, "step": learner.engine}
+    times = dict.fromkeys(owners, 0.0)
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name] += time.perf_counter() - t0
+            return out
+        return run
+
+    for name, owner in owners.items():
+        setattr(owner, name, timed(name, getattr(owner, name)))
+    try:
+        yield times
+    finally:
+        for name, owner in owners.items():
+            delattr(owner, name)  # back to the class's methods
+
+
 def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, save) -> None:
     """Every case of one layout; ``save()`` after each, so a run cut short keeps what it measured."""
     import tempfile
@@ -178,12 +228,16 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         torch.manual_seed(0)
-        model = MarathonForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        with device:  # initialised where it trains: a 2B-parameter init is minutes on the host's cores
+            model = MarathonForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
         counts = model.parameter_counts()
         model.save_pretrained(tmp)
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32", gradient_checkpointing=True,
                              micro_batch_tokens=args.micro_batch_tokens,
+                             offload_activations_tokens=args.offload_tokens or None,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
         print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
@@ -193,48 +247,52 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     cases += [("single", T, [T]) for T in (int(x) for x in args.single.split(",") if x and int(x) > 0)]
     warm = _samples(_episodes(min(4096, cases[0][1]), 64, 2048, seed=1), config.vocab_size, seed=1)
     learner.train_rl(warm)  # compiles and autotunes the kernels
-    last = None  # (tokens, seconds, has quadratic layers)
+    last = None  # (model FLOPs, seconds) of the last case that ran
     non_embedding = counts["activated"] - counts["embeddings"]
     for kind, T, lengths in cases:
         row = {"layout": layout, "case": kind, "tokens": T, "episodes": len(lengths)}
+        samples = _samples(lengths, config.vocab_size, seed=T)
+        loss_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
+        flops = model_flops(config, lengths, loss_tokens, non_embedding)
         if last is not None:
-            scale = (T / last[0]) ** (2 if "G" in config.layer_kinds else 1)
-            row["predicted_s"] = last[1] * scale
+            row["predicted_s"] = last[1] * flops / last[0]
             if row["predicted_s"] > args.max_step_s:
                 row["skipped"] = f"predicted {row['predicted_s']:.0f}s > --max-step-s {args.max_step_s:.0f}"
                 print(json.dumps(row), flush=True)
                 meta_rows.append(row)
                 save()
                 continue
-        samples = _samples(lengths, config.vocab_size, seed=T)
-        loss_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
-        row["predicted_peak_gib"] = learner_memory_bytes(config, max(min(T, args.micro_batch_tokens), max(lengths)),
-                                                         zero_stage=0, checkpointing=True)["total"] / 2**30
+        row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
+        row["offload"] = bool(args.offload_tokens) and row_tokens >= args.offload_tokens
+        row["predicted_peak_gib"] = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True,
+                                                         offload=row["offload"])["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
         try:
-            stats = learner.train_rl(samples)
+            dt, stats = _timed_update(learner, samples, device)
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if args.repeats > 1 and dt <= args.repeat_max_s:
+                # steady state: the first update after empty_cache also pays the allocator's device mallocs
+                row["first_seconds"] = dt
+                with _phase_times(learner, device) as phases:
+                    for _ in range(args.repeats - 1):
+                        dt, stats = _timed_update(learner, samples, device)
+                row["phases_s"] = {k: v / (args.repeats - 1) for k, v in phases.items()}
         except torch.cuda.OutOfMemoryError as e:
-            row["oom"] = str(e).split("\n")[0][:200]
+            row["oom"] = str(e).split("\n")[0][:600]
             print(json.dumps(row), flush=True)
             meta_rows.append(row)
             save()
             learner.engine.zero_grad()
             torch.cuda.empty_cache()
             continue
-        dt = time.perf_counter() - t0
-        flops = model_flops(config, lengths, loss_tokens, non_embedding)
         row.update(seconds=dt, tokens_per_s=T / dt, loss_tokens=loss_tokens, model_tflops=flops / dt / 1e12,
                    mfu=flops / dt / 1e12 / peak_tflops, loss=stats["loss"], grad_norm=stats["grad_norm"],
                    micro_batches=len(learner.micro_batches(samples)))
-        if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if not args.no_layer_times:
+        if row_tokens <= args.layer_times_max_tokens:
             mb = learner.micro_batches(samples)[0]
             try:
                 times = _layer_times(learner.module, mb, device)
@@ -243,13 +301,13 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 row["in_step_estimate_s"] = {k: per_mb * v["count"] * (2 * v["fwd_ms"] + v["bwd_ms"]) / 1e3
                                              for k, v in times.items()}
             except torch.cuda.OutOfMemoryError as e:
-                row["layers"] = {"oom": str(e).split("\n")[0][:200]}
+                row["layers"] = {"oom": str(e).split("\n")[0][:600]}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         meta_rows.append(row)
         save()
-        last = (T, dt)
+        last = (flops, dt)
     del learner
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -261,17 +319,21 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"Preset `{meta['preset']}`: {PRESET_NOTE.get(meta['preset'], '')}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
              "optimizer step, gradient checkpointing).", "",
-             "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
+             "decoder fwd / bwd / opt step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "seconds" not in r:
             why = r.get("oom") and "OOM" or r.get("skipped", "")
-            lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | {r['episodes']} | {why} | | | | | "
-                         f"{r.get('predicted_peak_gib', float('nan')):.1f} |")
+            lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | {r['episodes']} | {why} | | | | | "
+                         f"{r.get('predicted_peak_gib', float('nan')):.1f} | | |")
             continue
-        lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
+        ph = r.get("phases_s")
+        phases = f"{ph['forward']:.2f} / {ph['backward']:.2f} / {ph['step']:.2f}" if ph else ""
+        lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
-                     f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} |")
+                     f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} | "
+                     f"{r.get('first_seconds', float('nan')):.2f} | {phases} |")
     lines += ["", "Time per layer type (isolated layer, fwd / bwd ms on the case's first micro-batch; in-step "
               "estimate = micro-batches x count x (2 fwd + bwd) under checkpointing):", "",
               "| layout | case | tokens | " + " | ".join(["L", "S", "G", "MoE", "FFN", "head"]) + " | step s |",
@@ -283,7 +345,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         for k in ["L", "S", "G", "MoE", "FFN", "head"]:
             v = r["layers"].get(k)
             cells.append(f"{v['fwd_ms']:.1f} / {v['bwd_ms']:.1f} ({r['in_step_estimate_s'][k]:.2f} s)" if v else "")
-        lines.append(f"| {r['layout']} | {r['case']} | {r['tokens']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
+        lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

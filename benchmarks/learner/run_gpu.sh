@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The learner's and kernels' GPU figures, as run on the H200 through the device tool (one call per group).
+#
+#   bash benchmarks/learner/run_gpu.sh learner-packed  # bench learner, hybrid: packed 16K-1M, single 1M
+#   bash benchmarks/learner/run_gpu.sh head learner    # logprob head memory; 16K/64K steady state, single 1M
+#   bash benchmarks/learner/run_gpu.sh tests kernels   # H200 kernel/learner tests; kernel table vs fla
+#   bash benchmarks/learner/run_gpu.sh global          # the all-MLA layout
+#
+# Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
+# pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
+# Triton's compile cache is kept in .tcache/ (carry it to the next call: `tcache.tgz` comes back in $OUT).
+# Each step has its own time limit and writes its log and results under $OUT (or ./gpu-out).
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p .tcache && [ -f .tcache/tcache.tgz ] && tar -xzf .tcache/tcache.tgz -C .tcache && rm .tcache/tcache.tgz
+export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - t0))s"
+    tail -n 25 "$OUT/$name.log"
+}
+
+for group in "$@"; do
+    case $group in
+    learner)
+        step learner 450 python3 -m marathon.commands.bench_learner --layouts hybrid \
+            --tokens 16384,65536 --single 1048576 --max-step-s 100000 --out "$OUT/learner" ;;
+    learner-packed)
+        step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
+            --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
+    tests)
+        step tests 240 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model_gpu.py \
+            tests/test_kernels_gpu.py -k "offload or learner_on_cuda or logprob_head or packed or short or head_dim" ;;
+    kernels)
+        step kernels 200 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
+    head)
+        step head 90 python3 benchmarks/learner/logprob_head.py --device cuda --tokens 16384,65536 \
+            --chunked-tokens "" --vocab 163840 --hidden 2048 --out "$OUT" ;;
+    global)
+        step global 240 python3 -m marathon.commands.bench_learner --layouts global --tokens 16384,65536 \
+            --single 1048576 --max-step-s 200 --out "$OUT/global" ;;
+    *) echo "unknown group $group"; exit 2 ;;
+    esac
+done
+tar -czf "$OUT/tcache.tgz" -C .tcache triton 2>/dev/null && ls -la "$OUT/tcache.tgz"
