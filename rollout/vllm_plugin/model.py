@@ -52,7 +52,7 @@ class MarathonDecoderLayer(ResidualWiring, nn.Module):
         D, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps=eps)
         if self.kind == "L":
-            self.self_attn = MarathonLinearAttention(config, vllm_config, f"{prefix}.self_attn")
+            self.self_attn = MarathonLinearAttention(config, vllm_config, layer_idx, f"{prefix}.self_attn")
         elif self.kind == "S":
             self.self_attn = MarathonSlidingAttention(config, vllm_config.cache_config, f"{prefix}.self_attn")
         else:
