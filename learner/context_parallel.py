@@ -363,27 +363,17 @@ def _linear_forward(self, cp: ContextParallel, x, cache=None, pos_in_seg=None, c
     """`LinearAttention.forward` on a shard: conv halos, zero-state shard run, state passing."""
     _check_plain(cache, token_mask)
     shard = cp.shard
-    B, T, _ = x.shape
-    H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+    K = self.head_k_dim
     projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
     widths = [p.shape[-1] for p in projected]
     halos = cp.halo(torch.cat(projected, dim=-1), self.q_conv1d.kernel - 1).split(widths, dim=-1)
-    convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-    q, k, v = (conv(p, h, shard.pos_in_seg)[0] for conv, p, h in zip(convs, projected, halos))
-    q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
-    k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
-    v = v.view(B, T, H, V)
-    beta = torch.sigmoid(self.b_proj(x).float())
-    fused = self.gate_fn == "bounded" and self.g_min >= -5  # as the module: bounded-gate logits go to the kernel
-    g = self.gate_logits(x) if fused else self.decay(x)
-    run = shard_pass(q, k, v, g, beta, shard.cu_seqlens, shard.carried > 0, bounded_gate=fused,
-                     gate_lower_bound=self.g_min if fused else None)
+    q, k, v, _ = self.conv_heads(*projected, halos, shard.pos_in_seg)  # [B, T, H, K|V]
+    fused = self.fused_gate
+    run = shard_pass(q, k, v, self.chunk_gate(x), self.beta(x), shard.cu_seqlens, shard.carried > 0,
+                     bounded_gate=fused, gate_lower_bound=self.g_min if fused else None)
     states = all_gather(torch.cat([run.M, run.h_ext], dim=-1), cp.comm, dim=0)  # [size, H, K, K + V] fp32
     h_in = fold_incoming(states[..., :K], states[..., K:], shard.rank)  # [H, K, V]
-    o = _Tie.apply(add_incoming(run.o, run.q_eff, h_in), states)
-    gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, V)
-    o = self.o_norm(o.to(x.dtype), gate)
-    return self.o_proj(o.reshape(B, T, H * V))
+    return self.output(_Tie.apply(add_incoming(run.o, run.q_eff, h_in), states), x)
 
 
 CARRIED_BLOCK_BYTES = 1 << 26  # fp32 mask bytes per block of queries of a carried sequence (64 MiB) ...

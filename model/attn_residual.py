@@ -9,12 +9,17 @@ partial block:
 
 w is the sublayer's learned query, zero-initialised (a uniform mix at start); the key norm has no weight of
 its own (it would only rescale w). Memory: O(N_blocks * d) per token instead of O(L * d).
+
+`ResidualWiring` (a layer's two halves) and `run_layers` (the stream over the layers, block by block) are the
+one definition of this wiring, with or without attention residuals, for the HF model and the vLLM plugin.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from model.config import MarathonConfig
 
 
 class AttnResidualMix(nn.Module):
@@ -42,3 +47,54 @@ class AttnResidualMix(nn.Module):
     def _logit(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """w . RMSNorm(v) for v [B, T, D] fp32 -> [B, T]."""
         return (v @ w) * torch.rsqrt(v.square().mean(-1) + self.eps)
+
+
+class ResidualWiring:
+    """The residual wiring of a decoder layer, shared by the HF model and the vLLM plugin (mixed into their
+    `nn.Module` layers): modules ``input_layernorm``, ``post_attention_layernorm``, ``attn_res`` / ``mlp_res``
+    (`AttnResidualMix`, None without attention residuals; ``attn_res`` also None in layer 0, whose attention
+    input is always the embedding alone) and methods ``mix(x, *args) -> out`` and
+    ``ffn(x, *args) -> (out, aux)`` on normalised input.
+
+    Plain residual: hidden is the stream and blocks is None. Attention residuals: hidden is the current partial
+    block (None at a block start) and blocks the list of completed block outputs. Tokens are [..., D]."""
+
+    def add_residual_mixes(self, config: MarathonConfig, layer_idx: int) -> None:
+        """``attn_res`` / ``mlp_res`` of layer ``layer_idx``."""
+        D, eps, on = config.hidden_size, config.rms_norm_eps, config.attn_residual
+        self.attn_res = AttnResidualMix(D, eps) if on and layer_idx > 0 else None
+        self.mlp_res = AttnResidualMix(D, eps) if on else None
+
+    def mixer_half(self, hidden, blocks, *args):
+        """hidden + mix(input); at a block start the mixer output starts the partial block."""
+        out = self.mix(self.input_layernorm(_sublayer_input(hidden, blocks, self.attn_res)), *args)
+        return out if hidden is None else hidden + out
+
+    def ffn_half(self, hidden, blocks, *args):
+        """-> (hidden + ffn(input), the ffn's aux output)."""
+        out, aux = self.ffn(self.post_attention_layernorm(_sublayer_input(hidden, blocks, self.mlp_res)), *args)
+        return hidden + out, aux
+
+
+def _sublayer_input(hidden: torch.Tensor | None, blocks: list[torch.Tensor] | None,
+                    mix: AttnResidualMix | None) -> torch.Tensor:
+    """The stream (plain residual), or the mix over the completed blocks and the partial block."""
+    if blocks is None:
+        return hidden
+    sources = blocks if hidden is None else [*blocks, hidden]
+    return sources[0] if mix is None else mix(sources)
+
+
+def run_layers(layers, hidden: torch.Tensor, final_res: AttnResidualMix | None, block_size: int, step) -> torch.Tensor:
+    """The residual stream through ``layers``: ``step(i, layer, hidden, blocks) -> hidden`` runs layer i (blocks
+    as in `ResidualWiring`). With attention residuals (``final_res`` given) every ``block_size`` layers close a
+    block, and the output is ``final_res`` over all blocks. hidden: the embeddings [..., D] -> [..., D]."""
+    blocks = None if final_res is None else [hidden]
+    stream = hidden if final_res is None else None
+    for i, layer in enumerate(layers):
+        stream = step(i, layer, stream, blocks)
+        if blocks is not None and (i + 1) % block_size == 0 and i + 1 < len(layers):
+            blocks, stream = [*blocks, stream], None  # block complete
+    if blocks is None:
+        return stream
+    return final_res(blocks if stream is None else [*blocks, stream])

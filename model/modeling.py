@@ -23,7 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from model.attention import GatedMLA, LinearAttention, SlidingWindowAttention
 from model.attention.conv import ShortConv
-from model.attn_residual import AttnResidualMix
+from model.attn_residual import AttnResidualMix, ResidualWiring, run_layers
 from model.cache import MarathonCache
 from model.config import MarathonConfig
 from model.moe import MoE, Router, Experts, SwiGLU, new_forward_id
@@ -54,7 +54,7 @@ class _Context:
     forward_id: int | None = None  # keys this forward's routing statistics (the same in a checkpoint recompute)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(ResidualWiring, nn.Module):
     def __init__(self, config: MarathonConfig, layer_idx: int):
         super().__init__()
         self.kind = config.layer_kinds[layer_idx]
@@ -65,10 +65,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps)
         self.is_moe = layer_idx >= config.first_k_dense
         self.mlp = MoE(config) if self.is_moe else SwiGLU(D, config.intermediate_size)
-        if config.attn_residual:
-            # layer 0's attention input is always the embedding alone: no mix to learn there
-            self.attn_res = AttnResidualMix(D, eps) if layer_idx > 0 else None
-            self.mlp_res = AttnResidualMix(D, eps)
+        self.add_residual_mixes(config, layer_idx)
 
     def mix(self, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
         """Token mixer on normalised input: [B, T, D] -> [B, T, D]."""
@@ -88,32 +85,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), None
 
     def forward(self, hidden, blocks, ctx, forced=None, checkpoint=None):
-        """Plain residual: hidden [B, T, D] is the stream, blocks is None.
-        Attention residuals: hidden is the current partial block (None at a block start), blocks the list of
-        completed block outputs. Returns (hidden, selected experts or None).
+        """hidden [B, T, D], blocks: as `ResidualWiring`. Returns (hidden, selected experts or None).
 
         checkpoint: a ``torch.utils.checkpoint.checkpoint``-like function (gradient checkpointing); the two halves
         of the layer (token mixer, then FFN) are recomputed separately in backward, so the backward holds one
         half's activations at a time."""
         run = checkpoint if checkpoint is not None else _call
-        if blocks is None:
-            hidden = run(self._mixer_half, hidden, None, ctx)
-            return run(self._ffn_half, hidden, None, ctx, forced)
-        partial = run(self._mixer_half, hidden, blocks, ctx)
-        return run(self._ffn_half, partial, blocks, ctx, forced)
-
-    def _mixer_half(self, hidden, blocks, ctx):
-        if blocks is None:
-            return hidden + self.mix(self.input_layernorm(hidden), ctx)
-        sources = blocks if hidden is None else [*blocks, hidden]
-        h = sources[0] if self.attn_res is None else self.attn_res(sources)
-        attn_out = self.mix(self.input_layernorm(h), ctx)
-        return attn_out if hidden is None else hidden + attn_out
-
-    def _ffn_half(self, hidden, blocks, ctx, forced):
-        h = hidden if blocks is None else self.mlp_res([*blocks, hidden])
-        out, idx = self.ffn(self.post_attention_layernorm(h), forced, ctx.forward_id)
-        return hidden + out, idx
+        hidden = run(self.mixer_half, hidden, blocks, ctx)
+        return run(self.ffn_half, hidden, blocks, forced, ctx.forward_id)
 
 
 def _call(fn, *args):
@@ -231,24 +210,20 @@ class MarathonModel(MarathonPreTrainedModel):
         if routed_experts is not None and len(routed_experts) != len(moe_ids):
             raise ValueError(f"routed_experts needs one entry per MoE layer ({len(moe_ids)}), got {len(routed_experts)}")
         selected = []
-        blocks = [hidden] if self.config.attn_residual else None
-        stream = None if self.config.attn_residual else hidden
-        size = self.config.attn_residual_block_size
-        for i, layer in enumerate(self.layers):
+        checkpoint = self._gradient_checkpointing_func if self.gradient_checkpointing and self.training else None
+
+        def step(i, layer, stream, blocks):
             forced = routed_experts[i - moe_ids[0]] if routed_experts is not None and layer.is_moe else None
-            checkpoint = self._gradient_checkpointing_func if self.gradient_checkpointing and self.training else None
             stream, idx = layer(stream, blocks, ctx, forced, checkpoint)
             if idx is not None:
                 selected.append(idx)
-            if blocks is not None and (i + 1) % size == 0 and i + 1 < len(self.layers):
-                blocks = [*blocks, stream]  # block complete
-                stream = None
-        if blocks is not None:
-            stream = self.final_res(blocks if stream is None else [*blocks, stream])
+            return stream
+
+        hidden = run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size, step)
         if cache is not None:
             cache.advance(T)
         return MarathonModelOutput(
-            last_hidden_state=self.norm(stream),
+            last_hidden_state=self.norm(hidden),
             past_key_values=cache,
             routed_experts=torch.stack(selected) if return_routed_experts and selected else None,
         )

@@ -26,13 +26,19 @@ from model.norm import GatedRMSNorm
 
 
 class LinearAttention(nn.Module):
-    def __init__(self, config: MarathonConfig, layer_idx: int):
+    """The set-up and math (gate, beta, q/k/v heads, output) are also the vLLM plugin's: it subclasses this with
+    its tensor-parallel rank's ``num_heads`` and runs its own token layout and state slots in ``forward``."""
+
+    def __init__(self, config: MarathonConfig, layer_idx: int, num_heads: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        D, H = config.hidden_size, config.linear_num_heads
+        D, H = config.hidden_size, num_heads or config.linear_num_heads
         K, V = config.linear_head_k_dim, config.linear_head_v_dim
         self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
         self.gate_fn, self.g_min = config.linear_gate_fn, config.linear_g_min
+        # the bounded gate goes into the chunked kernel as logits (fused with its chunk cumsum); the Triton
+        # kernel takes g >= -5
+        self.fused_gate = self.gate_fn == "bounded" and self.g_min >= -5
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * V, bias=False)
@@ -56,20 +62,49 @@ class LinearAttention(nn.Module):
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> the decay pre-activation f_b(f_a(x)) + dt_bias [B, T, H, K] fp32."""
-        B, T, _ = x.shape
+        """x [..., D] -> the decay pre-activation f_b(f_a(x)) + dt_bias [..., H, K] fp32."""
         raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        return raw.view(B, T, self.num_heads, self.head_k_dim)
+        return raw.unflatten(-1, (self.num_heads, self.head_k_dim))
 
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> exp(A_log) * raw [B, T, H, K] fp32, the bounded gate's argument (g = g_min * sigmoid(.))."""
-        return self.A_log.float().exp()[:, None] * self._raw(x)  # [H, 1] * [B, T, H, K]
+        """x [..., D] -> exp(A_log) * raw [..., H, K] fp32, the bounded gate's argument (g = g_min * sigmoid(.))."""
+        return self.A_log.float().exp()[:, None] * self._raw(x)  # [H, 1] * [..., H, K]
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> log-decay g [B, T, H, K] fp32 (<= 0)."""
+        """x [..., D] -> log-decay g [..., H, K] fp32 (<= 0)."""
         if self.gate_fn == "bounded":
             return self.g_min * torch.sigmoid(self.gate_logits(x))
         return -self.A_log.float().exp()[:, None] * F.softplus(self._raw(x))
+
+    def chunk_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> the gate `chunked` takes [..., H, K] fp32: the logits for the fused gate, else g."""
+        return self.gate_logits(x) if self.fused_gate else self.decay(x)
+
+    def chunked(self, q, k, v, g, beta, **kwargs):
+        """`kernels.gated_delta_rule` as this layer calls it, with g from `chunk_gate`."""
+        return kernels.gated_delta_rule(q, k, v, g, beta, bounded_gate=self.fused_gate,
+                                        gate_lower_bound=self.g_min if self.fused_gate else None, **kwargs)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> the delta rule's write strength sigmoid(b_proj x) [..., H] fp32."""
+        return torch.sigmoid(self.b_proj(x).float())
+
+    def conv_heads(self, q, k, v, states=(None, None, None), pos_in_seg=None):
+        """Projected q, k [B, T, H*K], v [B, T, H*V] through the short convs (``states``: theirs, [B, W-1, C] or
+        None, ``pos_in_seg`` as `ShortConv`) -> q, k L2-normalised [B, T, H, K] and v [B, T, H, V] in v's dtype,
+        and the new conv states (q, k, v) [B, W-1, C] fp32."""
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        (q, sq), (k, sk), (v, sv) = (conv(t, s, pos_in_seg) for conv, t, s in zip(convs, (q, k, v), states))
+        q = F.normalize(q.unflatten(-1, (H, K)).float(), dim=-1, eps=1e-6).to(v.dtype)
+        k = F.normalize(k.unflatten(-1, (H, K)).float(), dim=-1, eps=1e-6).to(v.dtype)
+        return q, k, v.unflatten(-1, (H, V)), (sq, sk, sv)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The delta rule's o [..., H, V] and the layer input x [..., D] -> o_proj(RMSNorm(o) * sigmoid(gate)) [..., D]."""
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_v_dim))
+        o = self.o_norm(o.to(x.dtype), gate)  # [..., H, V]
+        return self.o_proj(o.flatten(-2))
 
     def forward(self, x, cache=None, pos_in_seg=None, cu_seqlens=None, token_mask=None):
         """x [B, T, D] -> [B, T, D].
@@ -78,18 +113,13 @@ class LinearAttention(nn.Module):
         packed B=1 rows (states reset at each boundary). token_mask [B, T] (1 = real, 0 = left padding):
         padded tokens get zero input, beta = 0 and g = 0 so they leave every state untouched.
         """
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        T = x.shape[1]
         if token_mask is not None:
             x = x * token_mask[..., None].to(x.dtype)
         conv = cache.conv_states if cache is not None else {}
-        q, conv_q = self.q_conv1d(self.q_proj(x), conv.get("q"), pos_in_seg)
-        k, conv_k = self.k_conv1d(self.k_proj(x), conv.get("k"), pos_in_seg)
-        v, conv_v = self.v_conv1d(self.v_proj(x), conv.get("v"), pos_in_seg)
-        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)  # [B, T, H, K]
-        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
-        v = v.view(B, T, H, V)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        q, k, v, conv_states = self.conv_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x),
+                                               (conv.get("q"), conv.get("k"), conv.get("v")), pos_in_seg)
+        beta = self.beta(x)  # [B, T, H]
         if token_mask is not None:
             beta = beta * token_mask[..., None]
         state = cache.recurrent_state if cache is not None else None
@@ -98,21 +128,14 @@ class LinearAttention(nn.Module):
             if token_mask is not None:
                 g = g * token_mask[..., None, None]
             o, state = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-            o = o.unsqueeze(1).to(x.dtype)  # [B, 1, H, V]
+            o = o.unsqueeze(1)  # [B, 1, H, V]
         else:
-            # the bounded gate goes into the kernel as logits (fused with its chunk cumsum); -inf logits give
-            # g = 0 for padded tokens
-            fused = self.gate_fn == "bounded" and self.g_min >= -5  # the Triton kernel takes g >= -5
-            g = self.gate_logits(x) if fused else self.decay(x)  # [B, T, H, K] fp32
-            if token_mask is not None:
-                g = g.masked_fill(token_mask[..., None, None] == 0, float("-inf") if fused else 0.0)
-            o, state = kernels.gated_delta_rule(
-                q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
-                bounded_gate=fused, gate_lower_bound=self.g_min if fused else None,
-            )  # o [B, T, H, V]; state [B or N, H, K, V] fp32
+            g = self.chunk_gate(x)  # [B, T, H, K] fp32
+            if token_mask is not None:  # -inf logits give g = 0 for padded tokens
+                g = g.masked_fill(token_mask[..., None, None] == 0, float("-inf") if self.fused_gate else 0.0)
+            o, state = self.chunked(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                    cu_seqlens=cu_seqlens)  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         if cache is not None:
-            cache.conv_states = {"q": conv_q, "k": conv_k, "v": conv_v}
+            cache.conv_states = dict(zip("qkv", conv_states))
             cache.recurrent_state = state
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, V)
-        o = self.o_norm(o.to(x.dtype), gate)  # [B, T, H, V]
-        return self.o_proj(o.reshape(B, T, H * V))
+        return self.output(o, x)

@@ -17,11 +17,7 @@ costs a replay of up to 64 tokens per layer and step.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -34,9 +30,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 import kernels
 from kernels.chunk_replay import CHUNK_SIZE, chunk_replay_decode, tail_width
-from model.attention.conv import ShortConv
+from model.attention.linear import LinearAttention
 from model.config import MarathonConfig
-from model.norm import GatedRMSNorm
 from rollout.vllm_plugin import tp
 
 
@@ -68,49 +63,26 @@ def linear_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dty
     return dtypes
 
 
-class MarathonLinearAttention(nn.Module, MambaBase):
-    """Parameter names are those of `model.attention.linear.LinearAttention`, so checkpoints load 1:1.
+class MarathonLinearAttention(LinearAttention, MambaBase):
+    """`model.attention.linear.LinearAttention` with this rank's heads: its parameters (names too, so checkpoints
+    load 1:1) and math; ``forward`` runs vLLM's token layout and state slots.
 
     Tensor parallelism: each rank runs H = linear_num_heads / tp heads end to end (their q/k/v, conv channels,
     decay and beta, state [H, K, V], gated norm), and o_proj's partial sums are all-reduced. The low-rank
     f_a / g_a projections (D -> K, D -> V) are shared by all heads and replicated."""
 
-    def __init__(self, config: MarathonConfig, vllm_config: VllmConfig, prefix: str):
-        super().__init__()
+    def __init__(self, config: MarathonConfig, vllm_config: VllmConfig, layer_idx: int, prefix: str):
+        ranks = tp.tp_size()
+        super().__init__(config, layer_idx, config.linear_num_heads // ranks)
+        self.tp = ranks
         self.prefix = prefix
         self.vllm_config = vllm_config
         self.config = config
-        self.tp = tp.tp_size()
-        D, H = config.hidden_size, config.linear_num_heads // self.tp  # H: this rank's heads
-        K, V = config.linear_head_k_dim, config.linear_head_v_dim
-        self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
-        self.gate_fn, self.g_min = config.linear_gate_fn, config.linear_g_min
-
-        def linear(i: int, o: int) -> nn.Linear:
-            return nn.Linear(i, o, bias=False)
-
-        self.q_proj, self.k_proj, self.v_proj = linear(D, H * K), linear(D, H * K), linear(D, H * V)
-        self.q_conv1d = ShortConv(H * K, config.linear_conv_kernel)
-        self.k_conv1d = ShortConv(H * K, config.linear_conv_kernel)
-        self.v_conv1d = ShortConv(H * V, config.linear_conv_kernel)
-        self.f_a_proj, self.f_b_proj = linear(D, K), linear(K, H * K)
-        self.A_log = nn.Parameter(torch.empty(H))
-        self.dt_bias = nn.Parameter(torch.empty(H * K))
-        self.b_proj = linear(D, H)
-        self.g_a_proj, self.g_b_proj = linear(D, V), linear(V, H * V)
-        self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
-        self.o_proj = linear(H * V, D)
         tp.column(self.q_proj, self.k_proj, self.v_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d,
                   self.f_b_proj, self.A_log, self.dt_bias, self.b_proj, self.g_b_proj)
         tp.row(self.o_proj)
 
         self.exact = exact_decode(config)
-        fused = self.gate_fn == "bounded" and self.g_min >= -5  # as model.attention.linear: the kernel takes logits
-        self.fused_gate = fused
-        # the learner's kernel call (model.attention.linear.LinearAttention.forward), for exact mode
-        self.chunk_fn = functools.partial(
-            kernels.gated_delta_rule, bounded_gate=fused, gate_lower_bound=self.g_min if fused else None
-        )
         ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
@@ -128,23 +100,9 @@ class MarathonLinearAttention(nn.Module, MambaBase):
         return linear_state_dtypes(self.vllm_config)
 
     # --- forward ----------------------------------------------------------------------------------------------
-    def decay(self, x: torch.Tensor, logits: bool = False) -> torch.Tensor:
-        """x [N, D] -> log-decay g [N, H, K] fp32 (<= 0); as `LinearAttention.decay`. ``logits``: the bounded
-        gate's argument exp(A_log) * raw instead (`LinearAttention.gate_logits`)."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(-1, self.num_heads, self.head_k_dim)
-        A = self.A_log.float().exp()[:, None]  # [H, 1]
-        if logits:
-            return A * raw
-        if self.gate_fn == "bounded":
-            return self.g_min * torch.sigmoid(A * raw)
-        return -A * F.softplus(raw)
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [N], x [N, D] (all requests' tokens, decodes first) -> [N, D]."""
-        N = x.shape[0]
-        H, V = self.num_heads, self.head_v_dim
-        o = x.new_zeros(N, H, V)
+        o = x.new_zeros(x.shape[0], self.num_heads, self.head_v_dim)  # [N, H, V]
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
         if meta is not None and meta.num_actual_tokens > 0:  # None: profiling / warm-up runs
@@ -152,9 +110,7 @@ class MarathonLinearAttention(nn.Module, MambaBase):
                 raise NotImplementedError("speculative decoding is not supported by the Marathon plugin")
             n = meta.num_actual_tokens
             o[:n] = self._mix(x[:n], positions[:n], meta)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(N, H, V)
-        o = self.o_norm(o, gate)  # [N, H, V]
-        return tp.all_reduce(self.o_proj(o.reshape(N, H * V)))  # [N, D]: the ranks' heads summed
+        return tp.all_reduce(self.output(o, x))  # [N, D]: the ranks' heads summed
 
     def _mix(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Token mixing with vLLM-held states. x [n, D], positions [n] -> o [n, H, V] in x.dtype."""
@@ -163,8 +119,8 @@ class MarathonLinearAttention(nn.Module, MambaBase):
         if is_conv_state_dim_first():
             conv_cache = conv_cache.transpose(-1, -2)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        g = self.decay(x, logits=self.exact and self.fused_gate)  # [n, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())  # [n, H]
+        g = self.chunk_gate(x) if self.exact else self.decay(x)  # [n, H, K] fp32
+        beta = self.beta(x)  # [n, H]
         bounds = meta.non_spec_query_start_loc.tolist()
         has_init = meta.has_initial_state
         slots = meta.non_spec_state_indices_tensor.long()
@@ -217,7 +173,7 @@ class MarathonLinearAttention(nn.Module, MambaBase):
             raise RuntimeError(f"linear_exact_decode: a request resumed at position {start} without its state")
         state, tails = self._exact_slots(torch.tensor([slot]))
         r = start % CHUNK_SIZE  # tokens since the last chunk boundary
-        o, state, tail = kernels.chunk_replay(self.chunk_fn, q, k, v, g, beta, None if fresh else state, tails[0, :r])
+        o, state, tail = kernels.chunk_replay(self.chunked, q, k, v, g, beta, None if fresh else state, tails[0, :r])
         self._store_slot(slot, None if state is None else state[0], tail)
         return o
 
@@ -226,22 +182,16 @@ class MarathonLinearAttention(nn.Module, MambaBase):
         ``starts``) through `kernels.chunk_replay_decode`. -> o [n, H, V]."""
         states, tails = self._exact_slots(slots)
         tails = [t[: p % CHUNK_SIZE] for t, p in zip(tails, starts)]
-        o, states, tails = chunk_replay_decode(self.chunk_fn, q, k, v, g, beta, states, tails)
+        o, states, tails = chunk_replay_decode(self.chunked, q, k, v, g, beta, states, tails)
         for slot, state, tail in zip(slots.tolist(), states, tails):
             self._store_slot(slot, state, tail)
         return o
 
     def _conv(self, q, k, v, conv_cache, idx, state):
-        """q, k [B, T, HK], v [B, T, HV]; state [B, W-1, C] or None -> conv'd, L2-normalised q, k [B, T, H, K],
+        """q, k [B, T, HK], v [B, T, HV]; state [B, W-1, C] or None -> `conv_heads`' q, k [B, T, H, K],
         v [B, T, H, V]; writes the new conv states to conv_cache[idx]."""
         HK = q.shape[-1]
-        B, T = q.shape[:2]
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        sq, sk, sv = (None, None, None) if state is None else state.split([HK, HK, v.shape[-1]], dim=-1)
-        q, nq = self.q_conv1d(q, sq)
-        k, nk = self.k_conv1d(k, sk)
-        v, nv = self.v_conv1d(v, sv)
-        conv_cache[idx] = torch.cat([nq, nk, nv], dim=-1).to(conv_cache.dtype)
-        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(v.dtype)
-        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(v.dtype)
-        return q, k, v.view(B, T, H, V)
+        states = (None, None, None) if state is None else state.split([HK, HK, v.shape[-1]], dim=-1)
+        q, k, v, new = self.conv_heads(q, k, v, states)
+        conv_cache[idx] = torch.cat(new, dim=-1).to(conv_cache.dtype)
+        return q, k, v

@@ -3,7 +3,7 @@
 Token layout: vLLM flattens the batch to [N, D] (all scheduled tokens of all requests). Per layer kind:
 L `MarathonLinearAttention` (vLLM-managed conv + fp32 recurrent state), S `MarathonSlidingAttention` (paged KV,
 per-layer window), G `MarathonLatentAttention` (paged latent cache, MQA over the latent). Block attention
-residuals and the layer wiring follow `model.modeling.DecoderLayer` line by line.
+residuals and the layer wiring are `model.attn_residual`'s, as in `model.modeling`.
 
 `load_weights` takes HF names (the safetensors checkpoint `model/` saves, or the learner's state dict for an
 in-place update of a running engine) and returns the set of vLLM parameter names it filled.
@@ -33,7 +33,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.sequence import IntermediateTensors
 
-from model.attn_residual import AttnResidualMix
+from model.attn_residual import AttnResidualMix, ResidualWiring, run_layers
 from model.config import MarathonConfig
 from model.norm import RMSNorm  # the learner's cast order (weight applied in fp32), not vLLM's
 from rollout.vllm_plugin.attention import MarathonLatentAttention, MarathonSlidingAttention
@@ -44,7 +44,7 @@ from rollout.vllm_plugin.moe import MarathonMoE, ParallelSwiGLU
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
-class MarathonDecoderLayer(nn.Module):
+class MarathonDecoderLayer(ResidualWiring, nn.Module):
     def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str):
         super().__init__()
         config: MarathonConfig = vllm_config.model_config.hf_config
@@ -52,7 +52,7 @@ class MarathonDecoderLayer(nn.Module):
         D, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps=eps)
         if self.kind == "L":
-            self.self_attn = MarathonLinearAttention(config, vllm_config, f"{prefix}.self_attn")
+            self.self_attn = MarathonLinearAttention(config, vllm_config, layer_idx, f"{prefix}.self_attn")
         elif self.kind == "S":
             self.self_attn = MarathonSlidingAttention(config, vllm_config.cache_config, f"{prefix}.self_attn")
         else:
@@ -60,22 +60,17 @@ class MarathonDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps=eps)
         self.is_moe = layer_idx >= config.first_k_dense
         self.mlp = MarathonMoE(config, f"{prefix}.mlp") if self.is_moe else ParallelSwiGLU(D, config.intermediate_size)
-        self.attn_residual = config.attn_residual
-        if config.attn_residual:
-            self.attn_res = AttnResidualMix(D, eps) if layer_idx > 0 else None
-            self.mlp_res = AttnResidualMix(D, eps)
+        self.add_residual_mixes(config, layer_idx)
+
+    def mix(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions, x)
+
+    def ffn(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.mlp(x), None
 
     def forward(self, positions, hidden, blocks):
         """As `model.modeling.DecoderLayer.forward`, on [N, D] tokens."""
-        if blocks is None:
-            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        sources = blocks if hidden is None else [*blocks, hidden]
-        h = sources[0] if self.attn_res is None else self.attn_res(sources)
-        attn_out = self.self_attn(positions, self.input_layernorm(h))
-        partial = attn_out if hidden is None else hidden + attn_out
-        h = self.mlp_res([*blocks, partial])
-        return partial + self.mlp(self.post_attention_layernorm(h))
+        return self.ffn_half(self.mixer_half(hidden, blocks, positions), blocks)[0]
 
 
 class MarathonModel(nn.Module):
@@ -92,16 +87,9 @@ class MarathonModel(nn.Module):
 
     def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [N, D]
-        blocks = [hidden] if self.config.attn_residual else None
-        stream = None if self.config.attn_residual else hidden
-        size, L = self.config.attn_residual_block_size, len(self.layers)
-        for i, layer in enumerate(self.layers):
-            stream = layer(positions, stream, blocks)
-            if blocks is not None and (i + 1) % size == 0 and i + 1 < L:
-                blocks, stream = [*blocks, stream], None  # block complete
-        if blocks is not None:
-            stream = self.final_res(blocks if stream is None else [*blocks, stream])
-        return self.norm(stream)
+        hidden = run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size,
+                            lambda i, layer, stream, blocks: layer(positions, stream, blocks))
+        return self.norm(hidden)
 
 
 class MarathonAttnForCausalLM(nn.Module):
