@@ -480,6 +480,7 @@ class Trainer:
                        stage.max_new_tokens_per_turn, stage.max_episode_tokens, e.temperature, self.cfg.seed,
                        self.cfg.rollout.env_timeout_s)
         res["step"], res["seconds"] = state.step, round(time.perf_counter() - t0, 2)
+        res["wall_s"] = round(time.perf_counter() - self.t_start, 1)  # since this process started the run
         state.evals[name] = res
         self._write("evals.json", state.evals)
         failed = f", {res['infra_failures']} infra failures left out" if res["infra_failures"] else ""
@@ -643,7 +644,7 @@ class Trainer:
         if resumed:
             self._say(f"resuming {self.out} at step {state.step} (stage {stages[state.stage_index].name}, "
                       f"stage step {state.stage_step}, policy version {state.version})")
-        t_start = time.perf_counter()
+        self.t_start = t_start = time.perf_counter()
         from envs.sandbox import isolation
 
         self._say(isolation().summary)  # what confines tool code in this run
