@@ -48,11 +48,12 @@ def _assert_same(chunked, whole):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_packed_row_in_chunks_matches_the_whole_row(checkpointing, gate, monkeypatch):
-    """A packed row of five sequences, every parameter's gradient, with and without gradient checkpointing
-    (routing replayed from the whole-row run, so a near tie cannot flip an expert)."""
-    model = _model(linear_gate_fn=gate)
+@pytest.mark.parametrize("gate,attn_residual", [("bounded", True), ("softplus", True), ("bounded", False)])
+def test_packed_row_in_chunks_matches_the_whole_row(checkpointing, gate, attn_residual, monkeypatch):
+    """A packed row of five sequences, every parameter's gradient, with and without gradient checkpointing, with
+    attention residuals (the mixes and norms in chunks) and without (the norms alone); routing replayed from the
+    whole-row run, so a near tie cannot flip an expert."""
+    model = _model(linear_gate_fn=gate, attn_residual=attn_residual)
     if checkpointing:
         model.gradient_checkpointing_enable()
     ids = torch.randint(1, 512, (1, int(CU_SEQLENS[-1])), generator=torch.Generator().manual_seed(0))
