@@ -26,9 +26,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # Tokens per chunk. A KDA layer's token-local intermediates are ~57 KiB per token in the forward at learner-bench
-# widths (the H200 measurement above), two to three times that in a chunk's recompute + backward: ~4 / ~10 GiB at
-# 64K tokens, beside the whole row's kernel inputs (q, k, v, fp32 g: 20 GiB at 1M) that the kernel needs anyway.
-# Rows up to 64K tokens (the steady-state benchmark's) run unchunked.
+# widths (the H200 measurement above); with a chunk's recompute + backward at an estimated two to three times that,
+# a 64K chunk holds ~4 / ~10 GiB (not measured on a GPU), beside the whole row's kernel inputs (q, k, v, fp32 g:
+# 20 GiB at 1M) that the kernel needs anyway. Rows up to 64K tokens (the steady-state benchmark's) run unchunked.
 TOKEN_CHUNK = 1 << 16
 
 
