@@ -463,8 +463,7 @@ def _mla_forward(self, cp: ContextParallel, x, position_ids, cache=None, cu_seql
     k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
     o = _attend_shard(q, k, v.transpose(1, 2), carried, shard, None)  # [B, H, T, v]
-    o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x).view(B, T, H, self.v_dim))
-    return self.o_proj(o.reshape(B, T, H * self.v_dim))
+    return self.output(o.transpose(1, 2), x)
 
 
 def apply_context_parallel(model: nn.Module, group: Any = None, comm: DistComm | ThreadComm | None = None) -> ContextParallel:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.chunking import over_tokens
 from model.config import MarathonConfig
 
 
@@ -57,7 +58,8 @@ class ResidualWiring:
     ``ffn(x, *args) -> (out, aux)`` on normalised input.
 
     Plain residual: hidden is the stream and blocks is None. Attention residuals: hidden is the current partial
-    block (None at a block start) and blocks the list of completed block outputs. Tokens are [..., D]."""
+    block (None at a block start) and blocks the list of completed block outputs. Tokens are [..., T, D]; a
+    sublayer's input (the mix and its norm) is computed in token chunks on long rows (`model.chunking`)."""
 
     def add_residual_mixes(self, config: MarathonConfig, layer_idx: int) -> None:
         """``attn_res`` / ``mlp_res`` of layer ``layer_idx``."""
@@ -67,34 +69,39 @@ class ResidualWiring:
 
     def mixer_half(self, hidden, blocks, *args):
         """hidden + mix(input); at a block start the mixer output starts the partial block."""
-        out = self.mix(self.input_layernorm(_sublayer_input(hidden, blocks, self.attn_res)), *args)
+        out = self.mix(_normed_input(hidden, blocks, self.attn_res, self.input_layernorm), *args)
         return out if hidden is None else hidden + out
 
     def ffn_half(self, hidden, blocks, *args):
         """-> (hidden + ffn(input), the ffn's aux output)."""
-        out, aux = self.ffn(self.post_attention_layernorm(_sublayer_input(hidden, blocks, self.mlp_res)), *args)
+        out, aux = self.ffn(_normed_input(hidden, blocks, self.mlp_res, self.post_attention_layernorm), *args)
         return hidden + out, aux
 
 
-def _sublayer_input(hidden: torch.Tensor | None, blocks: list[torch.Tensor] | None,
-                    mix: AttnResidualMix | None) -> torch.Tensor:
-    """The stream (plain residual), or the mix over the completed blocks and the partial block."""
+def _normed_input(hidden: torch.Tensor | None, blocks: list[torch.Tensor] | None, mix: AttnResidualMix | None,
+                  norm: nn.Module) -> torch.Tensor:
+    """norm(the stream (plain residual), or the mix over the completed blocks and the partial block) [..., T, D],
+    ``TOKEN_CHUNK`` tokens at a time on long rows: the mix's and the norm's fp32 [T, D] temporaries (and, with
+    gradients, what they save for the backward) are one chunk's."""
     if blocks is None:
-        return hidden
-    sources = blocks if hidden is None else [*blocks, hidden]
-    return sources[0] if mix is None else mix(sources)
+        sources = [hidden]
+    else:
+        sources = blocks if hidden is None else [*blocks, hidden]
+    if mix is None:
+        return over_tokens(norm, sources[0], dim=-2)
+    return over_tokens(lambda *chunk: norm(mix(list(chunk))), *sources, dim=-2)
 
 
-def run_layers(layers, hidden: torch.Tensor, final_res: AttnResidualMix | None, block_size: int, step) -> torch.Tensor:
+def run_layers(layers, hidden: torch.Tensor, final_res: AttnResidualMix | None, block_size: int, step,
+               norm: nn.Module) -> torch.Tensor:
     """The residual stream through ``layers``: ``step(i, layer, hidden, blocks) -> hidden`` runs layer i (blocks
     as in `ResidualWiring`). With attention residuals (``final_res`` given) every ``block_size`` layers close a
-    block, and the output is ``final_res`` over all blocks. hidden: the embeddings [..., D] -> [..., D]."""
+    block, and the output is ``norm`` of ``final_res`` over all blocks (else of the stream). hidden: the
+    embeddings [..., T, D] -> [..., T, D]."""
     blocks = None if final_res is None else [hidden]
     stream = hidden if final_res is None else None
     for i, layer in enumerate(layers):
         stream = step(i, layer, stream, blocks)
         if blocks is not None and (i + 1) % block_size == 0 and i + 1 < len(layers):
             blocks, stream = [*blocks, stream], None  # block complete
-    if blocks is None:
-        return stream
-    return final_res(blocks if stream is None else [*blocks, stream])
+    return _normed_input(stream, blocks, final_res, norm)

@@ -76,7 +76,9 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
              on the device. Without checkpointing, every layer's intermediates (~ the transient below, per layer).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
-             (calibrated on the H200) for one segment, q/k/v/gate projections; the MoE on one expert chunk
+             (calibrated on the H200) for one segment, its whole-row kernel inputs q/k/v/gate and their gradients
+             (the token-local work around the kernel runs in ``model.chunking.TOKEN_CHUNK``-token chunks, so its
+             intermediates are those of a row of at most 64K tokens, not counted here); the MoE on one expert chunk
              (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out; the chunked LM head.
     ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
     ``marathon bench learner``; not a bound."""

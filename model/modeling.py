@@ -219,11 +219,11 @@ class MarathonModel(MarathonPreTrainedModel):
                 selected.append(idx)
             return stream
 
-        hidden = run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size, step)
+        hidden = run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size, step, self.norm)
         if cache is not None:
             cache.advance(T)
         return MarathonModelOutput(
-            last_hidden_state=self.norm(hidden),
+            last_hidden_state=hidden,
             past_key_values=cache,
             routed_experts=torch.stack(selected) if return_routed_experts and selected else None,
         )

@@ -11,6 +11,7 @@ the interpreter, torch). Time is the step's wall time.
 
     python benchmarks/learner/cpu_memory.py                   # 8K, 16K, 32K; writes cpu_memory.md / .json
     python benchmarks/learner/cpu_memory.py --lengths 4096,8192 --malloc mmap --no-write
+    python benchmarks/learner/cpu_memory.py --lengths 32768 --malloc mmap --no-write --token-chunk 4096
 """
 
 from __future__ import annotations
@@ -35,18 +36,21 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(length: int, threads: int | None = None, preset: str = "tiny") -> dict:
+def measure(length: int, threads: int | None = None, preset: str = "tiny", token_chunk: int | None = None) -> dict:
     """One forward + backward at ``length`` tokens in THIS process: {tokens, seconds, rss_before_mib,
-    peak_rss_mib, growth_mib}. Call it in a fresh process (the peak is the process's)."""
+    peak_rss_mib, growth_mib}. Call it in a fresh process (the peak is the process's). ``token_chunk``: the
+    layers' token chunk (``model.chunking.TOKEN_CHUNK``; None: its default)."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     from learner.logprobs import head_logprobs
     from learner.packing import Sample, collate
-    from model import MarathonConfig, MarathonForCausalLM
+    from model import MarathonConfig, MarathonForCausalLM, chunking
 
     if threads:
         torch.set_num_threads(threads)
+    if token_chunk:
+        chunking.TOKEN_CHUNK = token_chunk
     torch.manual_seed(0)
     model = MarathonForCausalLM(MarathonConfig.from_preset(preset)).train()
     model.gradient_checkpointing_enable()
@@ -79,13 +83,13 @@ MMAP_THRESHOLD = 1 << 17  # bytes: glibc's initial threshold, fixed (MALLOC_MMAP
 
 
 def measure_in_subprocess(length: int, threads: int | None = None, preset: str = "tiny", timeout: float = 1200,
-                          malloc: str = "mmap") -> dict:
+                          malloc: str = "mmap", token_chunk: int | None = None) -> dict:
     """``measure`` in a fresh Python process (its own peak resident set). ``malloc``: "mmap" fixes glibc's mmap
     threshold at 128 KiB (MALLOC_MMAP_THRESHOLD_), so every freed tensor goes back to the OS and the resident
     set follows the live tensors; "default" leaves glibc's dynamic threshold, which moves up to 32 MiB after
     the first large free and then serves tensors from the heap, whose freed holes stay resident."""
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.learner.cpu_memory import measure; "
-            f"print('RESULT', json.dumps(measure({length}, {threads!r}, {preset!r})))")
+            f"print('RESULT', json.dumps(measure({length}, {threads!r}, {preset!r}, {token_chunk!r})))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if malloc == "mmap":
@@ -107,11 +111,14 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--malloc", default="mmap,default", help="glibc settings to run: mmap, default or both")
     ap.add_argument("--no-write", action="store_true", help="print only; do not rewrite cpu_memory.{md,json}")
+    ap.add_argument("--token-chunk", type=int, default=None,
+                    help="the layers' token chunk (model.chunking.TOKEN_CHUNK, default 65536: shorter rows unchunked)")
     args = ap.parse_args()
     rows = []
     for malloc in args.malloc.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
-            row = {"malloc": malloc, **measure_in_subprocess(length, args.threads, args.preset, malloc=malloc)}
+            row = {"malloc": malloc, **measure_in_subprocess(length, args.threads, args.preset, malloc=malloc,
+                                                                 token_chunk=args.token_chunk)}
             rows.append(row)
             print(f"malloc={malloc:7s} {row['tokens']:>7} tokens  {row['seconds']:8.2f} s  peak RSS "
                   f"{row['peak_rss_mib']:8.1f} MiB  growth {row['growth_mib']:8.1f} MiB  "
@@ -120,9 +127,10 @@ def main() -> None:
         return
     import torch
 
-    defaults = {"lengths": "8192,16384,32768", "threads": 1, "preset": "tiny", "malloc": "mmap,default"}
+    defaults = {"lengths": "8192,16384,32768", "threads": 1, "preset": "tiny", "malloc": "mmap,default",
+                "token_chunk": None}
     cmd = "python benchmarks/learner/cpu_memory.py" + "".join(
-        f" --{k} {getattr(args, k)}" for k in defaults if getattr(args, k) != defaults[k])
+        f" --{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if getattr(args, k) != defaults[k])
     meta = {"command": cmd, "torch": torch.__version__, "threads": args.threads, "cpus": os.cpu_count(),
             "preset": args.preset, "load_average": os.getloadavg()}
     (OUT / "cpu_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

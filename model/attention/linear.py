@@ -21,6 +21,7 @@ from torch import nn
 
 import kernels
 from model.attention.conv import ShortConv
+from model.chunking import over_tokens
 from model.config import MarathonConfig
 from model.norm import GatedRMSNorm
 
@@ -112,30 +113,44 @@ class LinearAttention(nn.Module):
         cache: this layer's `LinearStateCache` (conv + recurrent state, fp32) or None. cu_seqlens/pos_in_seg:
         packed B=1 rows (states reset at each boundary). token_mask [B, T] (1 = real, 0 = left padding):
         padded tokens get zero input, beta = 0 and g = 0 so they leave every state untouched.
+
+        Without a cache (training-style rows) the token-local parts before and after the kernel run in token
+        chunks on long rows (`model.chunking.over_tokens`); the kernel runs on the whole row.
         """
-        T = x.shape[1]
         if token_mask is not None:
             x = x * token_mask[..., None].to(x.dtype)
-        conv = cache.conv_states if cache is not None else {}
-        q, k, v, conv_states = self.conv_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x),
-                                               (conv.get("q"), conv.get("k"), conv.get("v")), pos_in_seg)
-        beta = self.beta(x)  # [B, T, H]
-        if token_mask is not None:
-            beta = beta * token_mask[..., None]
-        state = cache.recurrent_state if cache is not None else None
-        if T == 1 and state is not None:
-            g = self.decay(x)  # [B, 1, H, K] fp32
-            if token_mask is not None:
-                g = g * token_mask[..., None, None]
+        if cache is None:
+            q, k, v, g, beta = over_tokens(self._kernel_inputs, x, pos_in_seg, token_mask,
+                                           halo=self.q_conv1d.kernel - 1)
+            o, _ = self.chunked(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens)
+            return over_tokens(self.output, o, x)
+        state = cache.recurrent_state
+        step = x.shape[1] == 1 and state is not None  # one token on a recurrent state
+        q, k, v, g, beta = self._kernel_inputs(x, pos_in_seg, token_mask, cache, step)
+        if step:
             o, state = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o.unsqueeze(1)  # [B, 1, H, V]
         else:
-            g = self.chunk_gate(x)  # [B, T, H, K] fp32
-            if token_mask is not None:  # -inf logits give g = 0 for padded tokens
-                g = g.masked_fill(token_mask[..., None, None] == 0, float("-inf") if self.fused_gate else 0.0)
             o, state = self.chunked(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                     cu_seqlens=cu_seqlens)  # o [B, T, H, V]; state [B or N, H, K, V] fp32
+        cache.recurrent_state = state
+        return self.output(o, x)
+
+    def _kernel_inputs(self, x, pos_in_seg=None, token_mask=None, cache=None, step=False):
+        """The (masked) layer input x [B, T, D] -> the kernel's q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K]
+        fp32 (`decay` for a recurrent ``step``, else `chunk_gate`), beta [B, T, H] fp32. Token-local but for the
+        short convs' W-1 taps back; with a ``cache``, its conv states are read and replaced."""
+        conv = cache.conv_states if cache is not None else {}
+        q, k, v, conv_states = self.conv_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x),
+                                               (conv.get("q"), conv.get("k"), conv.get("v")), pos_in_seg)
         if cache is not None:
             cache.conv_states = dict(zip("qkv", conv_states))
-            cache.recurrent_state = state
-        return self.output(o, x)
+        beta = self.beta(x)  # [B, T, H]
+        g = self.decay(x) if step else self.chunk_gate(x)  # [B, T, H, K] fp32
+        if token_mask is not None:
+            beta = beta * token_mask[..., None]
+            if step:
+                g = g * token_mask[..., None, None]
+            else:  # -inf logits give g = 0 for padded tokens
+                g = g.masked_fill(token_mask[..., None, None] == 0, float("-inf") if self.fused_gate else 0.0)
+        return q, k, v, g, beta

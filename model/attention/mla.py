@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from model.attention.sdpa import attend
+from model.chunking import over_tokens
 from model.config import MarathonConfig
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding, apply_rotary
@@ -65,5 +66,14 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, qk]
         key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -S:]
         o = attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask)  # [B, H, T, v]
-        o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x).view(B, T, H, self.v_dim))  # [B, T, H, v]
+        return self.output(o.transpose(1, 2), x)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention output o [B, T, H, v] and the layer input x [B, T, D] -> o_proj(o * sigmoid(g_proj x))
+        [B, T, D], in token chunks on long rows (`model.chunking`)."""
+        return over_tokens(self._gated_output, o, x)
+
+    def _gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, T, H, _ = o.shape
+        o = o * torch.sigmoid(self.g_proj(x).view(B, T, H, self.v_dim))  # [B, T, H, v]
         return self.o_proj(o.reshape(B, T, H * self.v_dim))

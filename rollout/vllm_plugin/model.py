@@ -87,9 +87,8 @@ class MarathonModel(nn.Module):
 
     def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [N, D]
-        hidden = run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size,
-                            lambda i, layer, stream, blocks: layer(positions, stream, blocks))
-        return self.norm(hidden)
+        return run_layers(self.layers, hidden, self.final_res, self.config.attn_residual_block_size,
+                          lambda i, layer, stream, blocks: layer(positions, stream, blocks), self.norm)
 
 
 class MarathonAttnForCausalLM(nn.Module):
