@@ -644,7 +644,7 @@ class Trainer:
         if resumed:
             self._say(f"resuming {self.out} at step {state.step} (stage {stages[state.stage_index].name}, "
                       f"stage step {state.stage_step}, policy version {state.version})")
-        self.t_start = t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         from envs.sandbox import isolation
 
         self._say(isolation().summary)  # what confines tool code in this run
@@ -667,7 +667,7 @@ class Trainer:
             if self.learner is not None:
                 self._stop_actors()
         summary = self._summary(state)
-        summary.update(final_model=str(final), wall_s=round(time.perf_counter() - t_start, 1))
+        summary.update(final_model=str(final), wall_s=round(time.perf_counter() - self.t_start, 1))
         self._write("summary.json", summary)
         return summary
 

@@ -170,13 +170,17 @@ def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
     return out
 
 
-def _timed_update(learner, samples, device) -> tuple[float, dict]:
-    import torch
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
 
+        torch.cuda.synchronize()
+
+
+def _timed_update(learner, samples, device) -> tuple[float, dict]:
     t0 = time.perf_counter()
     stats = learner.train_rl(samples)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - t0, stats
 
 
@@ -185,19 +189,15 @@ def _phase_times(learner, device):
     """Seconds spent in the decoder's forward (the layers, not the logprob head), the engine's backward (recompute
     included) and its optimizer step during the block, the device synchronised at each boundary; the rest of an
     update (collate, the head's forward, the loss) is the difference to its wall time."""
-    import torch
-
     owners = {"forward": learner.module.get_decoder(), "backward": learner.engine, "step": learner.engine}
     times = dict.fromkeys(owners, 0.0)
 
     def timed(name, fn):
         def run(*args, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             times[name] += time.perf_counter() - t0
             return out
         return run
@@ -289,21 +289,21 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
             learner.engine.zero_grad()
             torch.cuda.empty_cache()
             continue
+        mbs = learner.micro_batches(samples)  # the update's micro-batches, on the device
         row.update(seconds=dt, tokens_per_s=T / dt, loss_tokens=loss_tokens, model_tflops=flops / dt / 1e12,
                    mfu=flops / dt / 1e12 / peak_tflops, loss=stats["loss"], grad_norm=stats["grad_norm"],
-                   micro_batches=len(learner.micro_batches(samples)))
+                   micro_batches=len(mbs))
         if row_tokens <= args.layer_times_max_tokens:
-            mb = learner.micro_batches(samples)[0]
             try:
-                times = _layer_times(learner.module, mb, device)
+                times = _layer_times(learner.module, mbs[0], device)
                 row["layers"] = times
-                per_mb = len(learner.micro_batches(samples))
-                row["in_step_estimate_s"] = {k: per_mb * v["count"] * (2 * v["fwd_ms"] + v["bwd_ms"]) / 1e3
+                row["in_step_estimate_s"] = {k: len(mbs) * v["count"] * (2 * v["fwd_ms"] + v["bwd_ms"]) / 1e3
                                              for k, v in times.items()}
             except torch.cuda.OutOfMemoryError as e:
                 row["layers"] = {"oom": str(e).split("\n")[0][:600]}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        del mbs
         print(json.dumps(row), flush=True)
         meta_rows.append(row)
         save()
@@ -311,6 +311,10 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     del learner
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _case(r: dict) -> str:
+    return r["case"] + (" (offload)" if r.get("offload") else "")
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -325,12 +329,12 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         if "seconds" not in r:
             why = r.get("oom") and "OOM" or r.get("skipped", "")
-            lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | {r['episodes']} | {why} | | | | | "
+            lines.append(f"| {r['layout']} | {_case(r)} | {r['tokens']} | {r['episodes']} | {why} | | | | | "
                          f"{r.get('predicted_peak_gib', float('nan')):.1f} | | |")
             continue
         ph = r.get("phases_s")
         phases = f"{ph['forward']:.2f} / {ph['backward']:.2f} / {ph['step']:.2f}" if ph else ""
-        lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
+        lines.append(f"| {r['layout']} | {_case(r)} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
                      f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} | "
                      f"{r.get('first_seconds', float('nan')):.2f} | {phases} |")
@@ -345,7 +349,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         for k in ["L", "S", "G", "MoE", "FFN", "head"]:
             v = r["layers"].get(k)
             cells.append(f"{v['fwd_ms']:.1f} / {v['bwd_ms']:.1f} ({r['in_step_estimate_s'][k]:.2f} s)" if v else "")
-        lines.append(f"| {r['layout']} | {r['case']}{' (offload)' if r.get('offload') else ''} | {r['tokens']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
+        lines.append(f"| {r['layout']} | {_case(r)} | {r['tokens']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
