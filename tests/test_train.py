@@ -37,6 +37,8 @@ def test_two_step_run_end_to_end(ray_local, tmp_path):
         assert float(r["model_tokens"]) > 0
     assert set(summary["evals"]) == {"init", "sft", "main@1", "main"}
     assert summary["evals"]["main"]["seeds"] == [1_000_000_000, 1_000_000_003]  # held-out seeds
+    walls = [e["wall_s"] for e in summary["evals"].values()]  # each evaluation's time since the run started
+    assert walls == sorted(walls) and 0 < walls[-1] <= summary["wall_s"]
     assert (out / "plot.png").stat().st_size > 1000
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer.json").is_file()
