@@ -59,7 +59,7 @@ def designs_summary(config: MarathonConfig) -> str:
 
 # -- learner (training) memory per rank ---------------------------------------------------------------------------
 KDA_BYTES_PER_TOKEN_HEAD = 6900  # the Triton kernel's fwd+bwd intermediates, K = V = 128 (H200: 108 GiB at 1M x 16 heads)
-KDA_SEGMENT = 1 << 18  # kernels.SEGMENT_TOKENS: longer rows run segment by segment
+LAYER_SEGMENT = 1 << 16  # model.chunking.TOKEN_CHUNK: longer rows run a KDA layer segment by segment, MLA heads in groups
 EXPERT_CHUNK = 1 << 17  # model.moe.Experts.TOKEN_CHUNK
 HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
 
@@ -76,10 +76,12 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
              on the device. Without checkpointing, every layer's intermediates (~ the transient below, per layer).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
-             (calibrated on the H200) for one segment, its whole-row kernel inputs q/k/v/gate and their gradients
-             (the token-local work around the kernel runs in ``model.chunking.TOKEN_CHUNK``-token chunks, so its
-             intermediates are those of a row of at most 64K tokens, not counted here); the MoE on one expert chunk
-             (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out; the chunked LM head.
+             (calibrated on the H200) and kernel inputs q/k/v/gate with their gradients for one segment of at
+             most ``LAYER_SEGMENT`` tokens (longer rows run the layer segment by segment), plus the row's input,
+             output and their gradients; the MoE on one expert chunk (top-k sorted copies of x, expert
+             activations, output); gated MLA's q/k/v/out for one group of heads (fewer heads per group past
+             4 x ``LAYER_SEGMENT`` tokens) plus the row's input and output; the chunked LM head. Beside it, the
+             gradients of the attention-residual blocks (every later layer reads them, so theirs accumulate).
     ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
     ``marathon bench learner``; not a bound."""
     import torch
@@ -96,12 +98,15 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     D, kinds = c.hidden_size, c.layer_kinds
     blocks = -(-len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0  # blocks started
     H, K, V = c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
-    kda = min(T, KDA_SEGMENT) * H * KDA_BYTES_PER_TOKEN_HEAD * (K + V) // 256 + T * H * (3 * K + V) * a * 2
+    seg = min(T, LAYER_SEGMENT)
+    kda = seg * H * KDA_BYTES_PER_TOKEN_HEAD * (K + V) // 256 + seg * H * (3 * K + V) * a * 2 + 4 * T * D * a
     te = min(T, EXPERT_CHUNK) * c.num_experts_per_tok
     moe = te * (3 * D * a + 3 * c.moe_intermediate_size * a) + 3 * T * D * a
-    mla = T * c.mla_num_heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2
+    heads = max(1, min(c.mla_num_heads, c.mla_num_heads * 4 * LAYER_SEGMENT // T))  # GatedMLA._heads_per_group
+    mla = T * heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2 + 4 * T * D * a
     head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * D * a
-    transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head)
+    # + the gradients of the completed attention-residual blocks, which accumulate through the whole backward
+    transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head) + blocks * T * D * a
     halves = 0 if offload else 2 * len(kinds) - blocks
     saved = (halves + blocks) * T * D * a if checkpointing else len(kinds) * transient
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,

@@ -1,5 +1,7 @@
 """Token chunks (model/chunking.py): with the chunk patched to 16 tokens, long rows run their token-local parts
-chunk by chunk (recomputed in backward) and give the whole row's logits and gradients."""
+chunk by chunk (recomputed in backward), KDA layers segment by segment with the state carried
+(`LinearAttention._segmented`), MLA layers their heads in groups (`GatedMLA._head_groups`), and give the whole
+row's logits and gradients."""
 
 from __future__ import annotations
 
@@ -48,12 +50,15 @@ def _assert_same(chunked, whole):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("gate,attn_residual", [("bounded", True), ("softplus", True), ("bounded", False)])
-def test_packed_row_in_chunks_matches_the_whole_row(checkpointing, gate, attn_residual, monkeypatch):
+@pytest.mark.parametrize("gate,attn_residual,mla", [("bounded", True, {}), ("softplus", True, {}), ("bounded", False, {}),
+                                                    ("bounded", True, {"mla_use_rope": True, "q_lora_rank": 32,
+                                                                       "mla_num_heads": 5})])
+def test_packed_row_in_chunks_matches_the_whole_row(checkpointing, gate, attn_residual, mla, monkeypatch):
     """A packed row of five sequences, every parameter's gradient, with and without gradient checkpointing, with
-    attention residuals (the mixes and norms in chunks) and without (the norms alone); routing replayed from the
-    whole-row run, so a near tie cannot flip an expert."""
-    model = _model(linear_gate_fn=gate, attn_residual=attn_residual)
+    attention residuals (the mixes and norms in chunks) and without (the norms alone), MLA with and without its
+    rotary part and q low-rank path (5 heads: groups of 2, 2, 1); routing replayed from the whole-row run, so a
+    near tie cannot flip an expert."""
+    model = _model(linear_gate_fn=gate, attn_residual=attn_residual, **mla)
     if checkpointing:
         model.gradient_checkpointing_enable()
     ids = torch.randint(1, 512, (1, int(CU_SEQLENS[-1])), generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.gated_delta_segmented import state_passing_segments
+from model import chunking
 from model.attention.conv import ShortConv
 from model.chunking import over_tokens
 from model.config import MarathonConfig
@@ -114,11 +116,14 @@ class LinearAttention(nn.Module):
         packed B=1 rows (states reset at each boundary). token_mask [B, T] (1 = real, 0 = left padding):
         padded tokens get zero input, beta = 0 and g = 0 so they leave every state untouched.
 
-        Without a cache (training-style rows) the token-local parts before and after the kernel run in token
-        chunks on long rows (`model.chunking.over_tokens`); the kernel runs on the whole row.
+        Without a cache, a B = 1 row longer than ``model.chunking.TOKEN_CHUNK`` runs the whole layer that many
+        tokens at a time, the recurrent state carried across the cuts (`_segmented`); other long rows run the
+        token-local parts before and after the kernel in token chunks (`model.chunking.over_tokens`).
         """
         if token_mask is not None:
             x = x * token_mask[..., None].to(x.dtype)
+        if cache is None and x.shape[0] == 1 and token_mask is None and x.shape[1] > chunking.TOKEN_CHUNK:
+            return self._segmented(x, pos_in_seg, cu_seqlens)
         if cache is None:
             q, k, v, g, beta = over_tokens(self._kernel_inputs, x, pos_in_seg, token_mask,
                                            halo=self.q_conv1d.kernel - 1)
@@ -135,6 +140,30 @@ class LinearAttention(nn.Module):
                                     cu_seqlens=cu_seqlens)  # o [B, T, H, V]; state [B or N, H, K, V] fp32
         cache.recurrent_state = state
         return self.output(o, x)
+
+    def _segmented(self, x: torch.Tensor, pos_in_seg: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """x [1, T, D] -> [1, T, D], ``TOKEN_CHUNK`` tokens at a time (`kernels.state_passing_segments`): each
+        segment's projections, short convs (reading W-1 tokens of halo), kernel and output gate, from the state
+        the previous segment handed on. Only x and the output span the row; the backward recomputes one segment
+        at a time. At 1M tokens this takes a KDA layer's recompute + backward from ~68 GiB (whole-row q/k/v/gate
+        and their gradients, the kernel's intermediates per 64K) to a segment's (benchmarks/learner/h200)."""
+        T = x.shape[1]
+        bounds = [0, T] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h0 = x.new_zeros(len(bounds) - 1, self.num_heads, self.head_k_dim, self.head_v_dim, dtype=acc)
+        tensors = [x] if pos_in_seg is None else [x, pos_in_seg[None]]
+        out, _ = state_passing_segments(self._segment, tensors, h0, bounds, chunking.TOKEN_CHUNK,
+                                        halo=self.q_conv1d.kernel - 1)
+        return out
+
+    def _segment(self, x, pos=None, *, initial_state, cu_seqlens, halo):
+        """One segment for `_segmented`: x [1, h + n, D] (h = ``halo`` tokens before it), pos [1, h + n] or None
+        -> (out [1, n, D], final states [N_seg, H, K, V])."""
+        q, k, v, g, beta = (t[:, halo:] for t in self._kernel_inputs(x, None if pos is None else pos[0]))
+        o, state = self.chunked(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                cu_seqlens=cu_seqlens)
+        return self.output(o, x[:, halo:]), state
 
     def _kernel_inputs(self, x, pos_in_seg=None, token_mask=None, cache=None, step=False):
         """The (masked) layer input x [B, T, D] -> the kernel's q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K]

@@ -14,8 +14,11 @@ Keys/values are re-expanded from the latent at every step (no weight absorption:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from model import chunking
 from model.attention.sdpa import attend
 from model.chunking import over_tokens
 from model.config import MarathonConfig
@@ -45,28 +48,76 @@ class GatedMLA(nn.Module):
         self.rotary = RotaryEmbedding(self.rope, config.rope_theta) if config.mla_use_rope else None
 
     def forward(self, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):
-        """Same arguments as `SlidingWindowAttention.forward`; cache is a `LatentCache`. Returns [B, T, D]."""
-        B, T, _ = x.shape
-        H = self.num_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        """Same arguments as `SlidingWindowAttention.forward`; cache is a `LatentCache`. Returns [B, T, D].
+
+        Without a cache, a row longer than ``model.chunking.TOKEN_CHUNK`` runs its heads in groups
+        (`_head_groups`); otherwise all heads at once."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [B, T, r]
+        q_in = x if hasattr(self, "q_proj") else self.q_a_layernorm(self.q_a_proj(x))  # [B, T, D or q_lora]
+        rotary = None
         if self.rotary is not None:
-            cos, sin = self.rotary(position_ids)
-            q_pe = apply_rotary(q_pe, cos, sin)
-            k_pe = apply_rotary(k_pe.unsqueeze(2), cos, sin).squeeze(2)  # [B, T, rope]
+            rotary = self.rotary(position_ids)
+            k_pe = apply_rotary(k_pe.unsqueeze(2), *rotary).squeeze(2)  # [B, T, rope]
         past = 0
         if cache is not None:
             past = cache.seen
             c_kv, k_pe = cache.update(c_kv, k_pe)  # [B, S, r], [B, S, rope]
-        S = c_kv.shape[1]
-        k_nope, v = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -c_kv.shape[1]:]
+        per_group = self._heads_per_group(x.shape[1]) if cache is None else self.num_heads
+        if per_group == self.num_heads:
+            o = self._attend(q_in, c_kv, k_pe, rotary, past, cu_seqlens, key_mask, 0, self.num_heads)
+            return self.output(o, x)
+        return self._head_groups(x, q_in, c_kv, k_pe, rotary, cu_seqlens, per_group)
+
+    def _heads_per_group(self, T: int) -> int:
+        """Heads per group: all of them up to 4 ``TOKEN_CHUNK`` tokens, then fewer as T grows (4 of 16 at 1M
+        tokens with 64K chunks). A group's q/k/v/output and their gradients are ~40 KiB per token at all 16 heads
+        of ``learner-bench``: ~77 GiB for one 1M-token recompute + backward in one group (H200, 512K measured).
+        ZeRO-3 partitioned weights (``ds_id``) are only gathered through the modules' own calls: all heads."""
+        if hasattr(self.o_proj.weight, "ds_id"):
+            return self.num_heads
+        return max(1, min(self.num_heads, self.num_heads * 4 * chunking.TOKEN_CHUNK // T))
+
+    def _attend(self, q_in, c_kv, k_pe, rotary, past, cu_seqlens, key_mask, lo: int, hi: int) -> torch.Tensor:
+        """Attention of heads [lo, hi): q_in [B, T, *] (x, or the normalised q_a projection), c_kv [B, S, r],
+        k_pe [B, S, rope] -> o [B, T, hi - lo, v]."""
+        B, T, S, H = q_in.shape[0], q_in.shape[1], c_kv.shape[1], hi - lo
+        q_lin = self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
+        q = self._rows(q_lin, q_in, lo, hi, self.nope + self.rope)
+        q_nope, q_pe = q.view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        if rotary is not None:
+            q_pe = apply_rotary(q_pe, *rotary)
+        kv = self._rows(self.kv_b_proj, c_kv, lo, hi, self.nope + self.v_dim)
+        k_nope, v = kv.view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)  # [B, H, S, qk]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, qk]
-        key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -S:]
-        o = attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask)  # [B, H, T, v]
-        return self.output(o.transpose(1, 2), x)
+        return attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask).transpose(1, 2)  # [B, T, H, v]
+
+    def _rows(self, linear: nn.Linear, x: torch.Tensor, lo: int, hi: int, per_head: int) -> torch.Tensor:
+        """The output columns of heads [lo, hi) of ``linear`` (its own call for all heads)."""
+        if lo == 0 and hi == self.num_heads:
+            return linear(x)
+        return F.linear(x, linear.weight[lo * per_head:hi * per_head])
+
+    def _head_groups(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, per_group: int) -> torch.Tensor:
+        """sum over head groups of o_proj(o_g * sigmoid(g_proj x)_g) restricted to the group's columns [B, T, D],
+        each group recomputed in backward: only x, the latent and the output span all heads."""
+        out = None
+        for lo in range(0, self.num_heads, per_group):
+            hi = min(lo + per_group, self.num_heads)
+            args = (x, q_in, c_kv, k_pe, rotary, cu_seqlens, lo, hi)
+            part = (checkpoint(self._group_output, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else self._group_output(*args))
+            out = part if out is None else out + part
+        return out
+
+    def _group_output(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, lo: int, hi: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        o = self._attend(q_in, c_kv, k_pe, rotary, 0, cu_seqlens, None, lo, hi)  # [B, T, h, v]
+        gate = F.linear(x, self.g_proj.weight[lo * self.v_dim:hi * self.v_dim]).view(B, T, hi - lo, self.v_dim)
+        o = (o * torch.sigmoid(gate)).reshape(B, T, (hi - lo) * self.v_dim)
+        return F.linear(o, self.o_proj.weight[:, lo * self.v_dim:hi * self.v_dim])
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention output o [B, T, H, v] and the layer input x [B, T, D] -> o_proj(o * sigmoid(g_proj x))

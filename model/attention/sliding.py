@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from model.attention.sdpa import attend
+from model.chunking import over_tokens
 from model.config import MarathonConfig
 from model.rope import RotaryEmbedding, apply_rotary
 
@@ -26,13 +27,9 @@ class SlidingWindowAttention(nn.Module):
 
     def forward(self, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):
         """x [B, T, D]; position_ids [B, T]; cache: `SlidingKVCache` or None; cu_seqlens [N+1] for packed rows;
-        attn_mask_2d [B, past+T] (HF padding mask) or None. Returns [B, T, D]."""
-        B, T, _ = x.shape
-        Hq, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.rotary(position_ids)
-        q = apply_rotary(self.q_proj(x).view(B, T, Hq, hd), cos, sin).transpose(1, 2)  # [B, Hq, T, hd]
-        k = apply_rotary(self.k_proj(x).view(B, T, Hkv, hd), cos, sin).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
+        attn_mask_2d [B, past+T] (HF padding mask) or None. Returns [B, T, D]. The projections and the rotary
+        embedding (fp32) run in token chunks on long rows (`model.chunking`)."""
+        q, k, v = (t.transpose(1, 2) for t in over_tokens(self._qkv, x, position_ids))  # [B, H, T, hd]
         past = 0
         if cache is not None:
             past = cache.seen
@@ -40,4 +37,17 @@ class SlidingWindowAttention(nn.Module):
         kv_len = k.shape[2]
         key_mask = None if attn_mask_2d is None else attn_mask_2d[:, -kv_len:]
         o = attend(q, k, v, past, self.window, cu_seqlens, key_mask)  # [B, Hq, T, hd]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * hd))
+        return over_tokens(self._out, o.transpose(1, 2))
+
+    def _qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D], position_ids [B, T] -> q [B, T, Hq, hd], k, v [B, T, Hkv, hd] (q, k rotated)."""
+        B, T, _ = x.shape
+        Hq, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.rotary(position_ids)
+        q = apply_rotary(self.q_proj(x).view(B, T, Hq, hd), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(B, T, Hkv, hd), cos, sin)
+        return q, k, self.v_proj(x).view(B, T, Hkv, hd)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, T, Hq, hd] -> o_proj [B, T, D]."""
+        return self.o_proj(o.flatten(-2))
