@@ -10,7 +10,7 @@ from kernels.chunked_gated_delta import chunk_gated_delta_rule
 from kernels.gated_delta import gated_delta_rule_step as gated_delta_rule_step_reference
 from kernels.gated_delta import recurrent_gated_delta_rule
 from kernels.gated_delta_segmented import segmented_gated_delta_rule
-from kernels.grouped_gemm import grouped_mm_reference
+from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_torch
 
 try:  # triton is absent on CPU-only installs
     from kernels.gated_delta_triton import CHUNK as TRITON_CHUNK
@@ -92,11 +92,22 @@ def gated_delta_rule_step(
     return gated_delta_rule_step_reference(q, k, v, g, beta, state, scale)
 
 
+# The MoE grouped GEMM on CUDA: "torch" (``torch._grouped_mm``, PyTorch's CUTLASS grouped GEMM on Hopper, faster
+# than ours in the model's MoE on the H200: benchmarks/learner/h200/README.md) or "triton" (ours).
+GROUPED_MM_CUDA = "torch"
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """MoE grouped matmul (x [N, D] sorted by expert, w [E, D, F], offsets [E + 1] -> [N, F]): one Triton
-    launch for all experts on CUDA when it imports and the dtypes agree, else the per-expert reference."""
-    if grouped_mm_triton is not None and x.is_cuda and x.dtype == w.dtype:
-        return grouped_mm_triton(x, w, offsets)
+    """MoE grouped matmul (x [N, D] sorted by expert, w [E, D, F], offsets [E + 1] -> [N, F]): on CUDA with
+    matching 16-bit dtypes, one grouped GEMM launch for all experts (``GROUPED_MM_CUDA`` picks whose), else the
+    per-expert reference."""
+    if x.is_cuda and x.dtype == w.dtype:
+        torch_ok = hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and \
+            torch.cuda.get_device_capability(x.device) >= (9, 0)
+        if GROUPED_MM_CUDA == "torch" and torch_ok:
+            return grouped_mm_torch(x, w, offsets)
+        if grouped_mm_triton is not None:
+            return grouped_mm_triton(x, w, offsets)
     return grouped_mm_reference(x, w, offsets)
 
 
@@ -107,5 +118,6 @@ __all__ = [
     "gated_delta_rule_step",
     "grouped_mm",
     "grouped_mm_reference",
+    "grouped_mm_torch",
     "recurrent_gated_delta_rule",
 ]

@@ -5,8 +5,9 @@
     offsets : [E + 1]     int64, offsets[0] = 0, offsets[E] = N
     returns : [N, F]
 
-This is the plain PyTorch reference (a loop over experts, never over tokens); `kernels.grouped_mm`
-dispatches to a fused GPU path where one is available.
+`grouped_mm_reference` is the plain PyTorch reference (a loop over experts, never over tokens);
+`grouped_mm_torch` is PyTorch's own grouped GEMM (``torch._grouped_mm``: CUTLASS on Hopper, with its autograd
+formula); `kernels.grouped_mm` dispatches to the fastest path available.
 """
 
 from __future__ import annotations
@@ -22,3 +23,9 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
         if hi > lo:
             out[lo:hi] = x[lo:hi] @ w[e]
     return out
+
+
+def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` with this module's contract (offsets [E + 1] from 0; it takes the E group ends as
+    int32). Differentiable through torch's own formula, whose backward needs a contiguous output gradient."""
+    return torch._grouped_mm(x, w, offs=offsets[1:].to(torch.int32))
