@@ -102,14 +102,17 @@ def test_learner_on_cuda_trains_in_bf16(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
 
-    from configs.schema import LearnerSection
+    from configs.schema import LearnerSection, LossSection
     from learner.engine import Learner
     from learner.packing import Sample
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny().to(torch.bfloat16).save_pretrained(tmp)
+        # the rollout logprobs below (-1.0) are far from the model's (~ -6): the default ratio mask would drop
+        # every token (no gradient, no update), so it and the TIS cap are off, as in `marathon bench learner`
         learner = Learner(tmp, LearnerSection(dtype="bfloat16", gradient_checkpointing=True,
-                                              offload_activations_tokens=256))
+                                              offload_activations_tokens=256,
+                                              loss=LossSection(tis_cap=None, ratio_mask=None)))
     assert learner.device.type == "cuda" and next(learner.module.parameters()).dtype == torch.bfloat16
     before = [p.detach().clone() for p in learner.module.parameters()]
     g = torch.Generator().manual_seed(0)

@@ -5,6 +5,8 @@
 #   bash benchmarks/learner/run_gpu.sh head learner    # logprob head memory; 16K/64K steady state, single 1M
 #   bash benchmarks/learner/run_gpu.sh tests kernels   # H200 kernel/learner tests; kernel table vs fla
 #   bash benchmarks/learner/run_gpu.sh global          # the all-MLA layout
+#   bash benchmarks/learner/run_gpu.sh probe           # per half-layer memory at 256K-1M, head / MoE / step profiles
+#   bash benchmarks/learner/run_gpu.sh probe-1m single # per half-layer memory at 1M; one update of a 1M episode
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -16,7 +18,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p .tcache && [ -f .tcache/tcache.tgz ] && tar -xzf .tcache/tcache.tgz -C .tcache && rm .tcache/tcache.tgz
+# the cache comes back in parts of < 16 MiB (the device tool's limit per file): tcache.tgz.part-aa, -ab, ...
+mkdir -p .tcache && ls .tcache/tcache.tgz* >/dev/null 2>&1 && cat .tcache/tcache.tgz* | tar -xzf - -C .tcache && rm -f .tcache/tcache.tgz*
 export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -39,8 +42,8 @@ for group in "$@"; do
         step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
     tests)
-        step tests 240 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model_gpu.py \
-            tests/test_kernels_gpu.py -k "offload or learner_on_cuda or logprob_head or packed or short or head_dim" ;;
+        step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_model_gpu.py \
+            tests/test_kernels_gpu.py -k "offload or learner_on_cuda or logprob_head or packed or short or head_dim or grouped" ;;
     kernels)
         step kernels 200 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
     head)
@@ -49,7 +52,15 @@ for group in "$@"; do
     global)
         step global 240 python3 -m marathon.commands.bench_learner --layouts global --tokens 16384,65536 \
             --single 1048576 --max-step-s 200 --out "$OUT/global" ;;
+    probe)
+        step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
+    probe-1m)
+        step probe-1m 170 python3 benchmarks/learner/gpu_probe.py memory moe --lengths 1048576 \
+            --mla-lengths 1048576 --segments 262144 --out "$OUT/probe-1m" ;;
+    single)
+        step single 420 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens "" --single 1048576 \
+            --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --out "$OUT/single" ;;
     *) echo "unknown group $group"; exit 2 ;;
     esac
 done
-tar -czf "$OUT/tcache.tgz" -C .tcache triton 2>/dev/null && ls -la "$OUT/tcache.tgz"
+tar -czf - -C .tcache triton 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"/tcache.tgz.part-*

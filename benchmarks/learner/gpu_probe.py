@@ -1,0 +1,296 @@
+"""Where the learner's memory and time go on the GPU, one part of the model at a time (no DeepSpeed, no optimizer).
+
+    memory   peak device memory of each half-layer of a preset (the KDA, sliding and MLA mixers with their
+             attention-residual mix; the MoE) on one episode of T tokens: in a no-grad forward, and in a forward +
+             backward (what gradient checkpointing's recompute + backward holds for that half), above its inputs
+    head     the logprob head (`learner.logprobs.head_logprobs`): forward and backward time and peak memory per
+             chunk size, and the profiler's top kernels of one backward
+    moe      the MoE half's forward + backward time with each grouped GEMM (`kernels.GROUPED_MM_CUDA`)
+    profile  one forward + backward of the decoder and the head on a packed row (gradient checkpointing on):
+             the profiler's top kernels by device time
+
+    python3 benchmarks/learner/gpu_probe.py memory head moe profile --out $OUT/probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GiB = 2**30
+
+
+def _model(preset: str, device: torch.device):
+    from model.config import MarathonConfig
+    from model.modeling import MarathonForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        model = MarathonForCausalLM(MarathonConfig.from_preset(preset))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(dtype).train()
+
+
+def _ctx(T: int, device: torch.device, lengths: list[int] | None = None):
+    """The per-forward context of a packed row of ``lengths`` (one episode of T tokens by default)."""
+    from model.modeling import _Context
+
+    lengths = lengths or [T]
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), cu.diff())
+    pos = torch.arange(T, device=device) - cu[seg]
+    return _Context(pos[None], None, cu, pos, None, forward_id=0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_above(device: torch.device, fn) -> float:
+    """GiB allocated at the peak of ``fn()`` above what was allocated before it (CUDA; NaN elsewhere)."""
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def _discard_routing(layer) -> None:
+    for m in layer.modules():
+        if hasattr(m, "discard_pending"):
+            m.discard_pending()
+
+
+def probe_memory(model, device, lengths: list[int], mla_lengths: list[int], segments: list[int]) -> list[dict]:
+    """Per half-layer peaks. The layers are the last block's (a partial block and every completed block as
+    inputs, as the model runs them); the MoE is the first KDA layer's FFN half there."""
+    import kernels
+
+    inner, cfg = model.get_decoder(), model.config
+    kinds = cfg.layer_kinds
+    last = {k: max(i for i, x in enumerate(kinds) if x == k) for k in set(kinds)}
+    n_blocks = -(-len(kinds) // cfg.attn_residual_block_size) if cfg.attn_residual else 0
+    rows = []
+    cases = [("L", "mixer", seg) for seg in segments] + [("S", "mixer", None), ("G", "mixer", None)]
+    cases.append(("L", "ffn", None))
+    for kind, half, seg in cases:
+        if kind not in last:
+            continue
+        layer = inner.layers[last[kind]]
+        for T in (mla_lengths if kind == "G" and half == "mixer" else lengths):
+            row = {"kind": "MoE" if half == "ffn" and layer.is_moe else kind, "half": half, "tokens": T}
+            if seg is not None:
+                row["kda_segment"] = seg
+                kernels.SEGMENT_TOKENS = seg
+            ctx = _ctx(T, device)
+            D = cfg.hidden_size
+            try:
+                inputs = [torch.randn(1, T, D, device=device, dtype=next(model.parameters()).dtype) * 0.5
+                          for _ in range(max(n_blocks, 1))]  # the partial block, then the completed ones
+
+                def run(*xs):
+                    hidden, blocks = xs[0], (list(xs[1:]) if n_blocks else None)
+                    if half == "mixer":
+                        return layer.mixer_half(hidden, blocks, ctx)
+                    return layer.ffn_half(hidden, blocks, None, ctx.forward_id)[0]
+
+                def forward():
+                    with torch.no_grad():
+                        run(*inputs)
+
+                t0 = time.perf_counter()
+                row["forward_gib"] = _peak_above(device, forward)
+                xs = [x.requires_grad_() for x in inputs]
+
+                def forward_backward():
+                    out = run(*xs)
+                    out.backward(torch.randn_like(out))
+
+                row["forward_backward_gib"] = _peak_above(device, forward_backward)
+                row["inputs_gib"] = len(inputs) * T * D * inputs[0].element_size() / GiB
+                row["seconds"] = time.perf_counter() - t0
+            except torch.cuda.OutOfMemoryError as e:
+                row["oom"] = str(e).split("\n")[0][:300]
+            finally:
+                inputs = xs = None
+                model.zero_grad(set_to_none=True)
+                _discard_routing(layer)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    kernels.SEGMENT_TOKENS = 1 << 18
+    return rows
+
+
+def _timed(device, fn, repeats: int = 3) -> float:
+    """Median ms of ``fn()`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _top_kernels(prof, n: int = 25) -> list[dict]:
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    return [{"name": e.key[:120], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in sorted(events, key=lambda e: -e.self_device_time_total)[:n]]
+
+
+def probe_head(model, device, rows_n: int, chunks: list[int]) -> dict:
+    """The logprob head over ``rows_n`` scored rows, per chunk size."""
+    from learner import logprobs
+
+    head, cfg = model.get_output_embeddings(), model.config
+    dtype = head.weight.dtype
+    h = (torch.randn(rows_n, cfg.hidden_size, device=device, dtype=dtype) * 0.5).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (rows_n,), device=device)
+    out = {"rows": rows_n, "vocab": cfg.vocab_size, "chunks": []}
+    for chunk in chunks:
+        def fwd():
+            return logprobs.head_logprobs(head, h, targets, 1.0, chunk)
+
+        def fwd_bwd():
+            fwd().sum().backward()
+
+        fwd_ms = _timed(device, fwd)
+        both_ms = _timed(device, fwd_bwd)
+        row = {"chunk": chunk, "forward_ms": fwd_ms, "backward_ms": both_ms - fwd_ms,
+               "peak_gib": _peak_above(device, fwd_bwd)}
+        flops = 6.0 * rows_n * cfg.hidden_size * cfg.vocab_size  # forward + backward matmuls, recompute not counted
+        row["tflops"] = flops / both_ms / 1e9
+        print(json.dumps(row), flush=True)
+        out["chunks"].append(row)
+        head.weight.grad = None
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            logprobs.head_logprobs(head, h, targets, 1.0, chunks[0]).sum().backward()
+            torch.cuda.synchronize()
+        out["top_kernels"] = _top_kernels(prof, 15)
+    head.weight.grad = None
+    return out
+
+
+def probe_moe(model, device, T: int) -> list[dict]:
+    """The MoE half's forward + backward per grouped GEMM path, on T tokens."""
+    import kernels
+
+    layer = next(m for m in model.get_decoder().layers if m.is_moe)
+    x = (torch.randn(1, T, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype) * 0.5)
+    x.requires_grad_()
+    rows = []
+    for path in ("triton", "torch"):
+        kernels.GROUPED_MM_CUDA = path
+
+        def fwd():
+            with torch.no_grad():
+                layer.ffn(x, None)
+
+        def fwd_bwd():
+            out = layer.ffn(x, None)[0]
+            out.backward(torch.ones_like(out))
+
+        try:
+            row = {"path": path, "tokens": T, "forward_ms": _timed(device, fwd), "forward_backward_ms": _timed(device, fwd_bwd)}
+        except RuntimeError as e:
+            row = {"path": path, "tokens": T, "error": str(e).split("\n")[0][:300]}
+        _discard_routing(layer)
+        model.zero_grad(set_to_none=True)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    kernels.GROUPED_MM_CUDA = "torch"
+    return rows
+
+
+def probe_profile(model, device, T: int) -> dict:
+    """One decoder + head forward + backward of a packed row of T tokens (episodes of 2K-16K), checkpointing on."""
+    from learner.logprobs import head_logprobs
+    from learner.packing import collate
+    from marathon.commands.bench_learner import _episodes, _samples
+
+    model.gradient_checkpointing_enable()
+    samples = _samples(_episodes(T, 2048, 16384, seed=T), model.config.vocab_size, seed=T)
+    mb = collate(samples, [0] * len(samples), packed=True)
+    keep = (mb.loss_mask != 0).flatten().to(device)
+
+    def step():
+        hidden = model.get_decoder()(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
+                                     cu_seqlens=mb.cu_seqlens.to(device), use_cache=False).last_hidden_state
+        logp = head_logprobs(model.get_output_embeddings(), hidden.flatten(0, 1)[keep],
+                             mb.targets.to(device).flatten()[keep])
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    ms = _timed(device, step, repeats=2)
+    out = {"tokens": T, "step_ms": ms}
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        out["top_kernels"] = _top_kernels(prof, 40)
+    for layer in model.get_decoder().layers:
+        _discard_routing(layer)
+    model.gradient_checkpointing_disable()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("probes", nargs="+", choices=["memory", "head", "moe", "profile"])
+    ap.add_argument("--preset", default="learner-bench")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--lengths", default="262144,1048576", help="memory: episode lengths (KDA, sliding, MoE)")
+    ap.add_argument("--mla-lengths", default="262144,524288", help="memory: episode lengths for the MLA mixer")
+    ap.add_argument("--segments", default="262144,65536", help="memory: KDA kernel segment lengths to compare")
+    ap.add_argument("--head-rows", type=int, default=40960)
+    ap.add_argument("--head-chunks", default="1024,4096,8192")
+    ap.add_argument("--moe-tokens", type=int, default=65536)
+    ap.add_argument("--profile-tokens", type=int, default=65536)
+    ap.add_argument("--out", default="benchmarks/learner/probe")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    model = _model(args.preset, device)
+    results = {"preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    for probe in args.probes:
+        print(f"=== {probe}", flush=True)
+        t0 = time.perf_counter()
+        if probe == "memory":
+            results[probe] = probe_memory(model, device, ints(args.lengths), ints(args.mla_lengths), ints(args.segments))
+        elif probe == "head":
+            results[probe] = probe_head(model, device, args.head_rows, ints(args.head_chunks))
+        elif probe == "moe":
+            results[probe] = probe_moe(model, device, args.moe_tokens)
+        else:
+            results[probe] = probe_profile(model, device, args.profile_tokens)
+        print(f"=== {probe}: {time.perf_counter() - t0:.0f}s", flush=True)
+        (out_dir / "probe.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
