@@ -25,10 +25,11 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Tokens per chunk. A KDA layer's token-local intermediates are ~57 KiB per token in the forward at learner-bench
-# widths (the H200 measurement above); with a chunk's recompute + backward at an estimated two to three times that,
-# a 64K chunk holds ~4 / ~10 GiB (not measured on a GPU), beside the whole row's kernel inputs (q, k, v, fp32 g:
-# 20 GiB at 1M) that the kernel needs anyway. Rows up to 64K tokens (the steady-state benchmark's) run unchunked.
+# Tokens per chunk; also the segment length of a KDA layer on a longer B = 1 row (`LinearAttention._segmented`) and
+# the unit of MLA's head groups (`GatedMLA._heads_per_group`). A KDA layer's token-local intermediates are ~57 KiB
+# per token in the forward at learner-bench widths. With chunks, segments and head groups, no half-layer's
+# recompute + backward of a 1M-token row holds more than 37 GiB beyond its inputs on the H200
+# (benchmarks/learner/h200/README.md). Rows up to 64K tokens (the steady-state benchmark's) run unchunked.
 TOKEN_CHUNK = 1 << 16
 
 

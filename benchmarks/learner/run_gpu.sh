@@ -7,6 +7,7 @@
 #   bash benchmarks/learner/run_gpu.sh global          # the all-MLA layout
 #   bash benchmarks/learner/run_gpu.sh probe           # per half-layer memory at 256K-1M, head / MoE / step profiles
 #   bash benchmarks/learner/run_gpu.sh probe-1m single # per half-layer memory at 1M; one update of a 1M episode
+#   bash benchmarks/learner/run_gpu.sh steady global-512k  # 16K/64K steady state + 256K single, both layouts; all-MLA 512K
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -60,6 +61,12 @@ for group in "$@"; do
     single)
         step single 420 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens "" --single 1048576 \
             --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --out "$OUT/single" ;;
+    steady)
+        step steady 420 python3 -m marathon.commands.bench_learner --layouts hybrid,global --tokens 16384,65536 \
+            --single 262144 --max-step-s 120 --out "$OUT/steady" ;;
+    global-512k)
+        step global-512k 300 python3 -m marathon.commands.bench_learner --layouts global --tokens "" --single 524288 \
+            --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --offload-tokens 524288 --out "$OUT/global-512k" ;;
     *) echo "unknown group $group"; exit 2 ;;
     esac
 done
