@@ -42,9 +42,9 @@ for group in "$@"; do
     learner-packed)
         step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
-    tests)
-        step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_model_gpu.py \
-            tests/test_kernels_gpu.py -k "offload or learner_on_cuda or logprob_head or packed or short or head_dim or grouped" ;;
+    tests)  # the kernel checks first (each (dtype, head dim) pays a Triton compile), then the learner's
+        step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+            tests/test_model_gpu.py -k "packed or short or head_dim or grouped or offload or learner_on_cuda or logprob_head" ;;
     kernels)
         step kernels 200 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
     head)
