@@ -98,6 +98,30 @@ def test_linear_layer_on_a_padded_batch_in_chunks(monkeypatch):
         _assert_close(a, b)
 
 
+def test_mla_head_groups_on_a_padded_batch(monkeypatch):
+    """B = 2 rows, one left-padded (its key mask goes to every head group): GatedMLA with 4 heads run in groups of
+    3 and 1 equals all heads at once, output and the gradients of the input and every parameter."""
+    from model.attention import GatedMLA
+
+    torch.manual_seed(0)
+    layer = GatedMLA(MarathonConfig.from_preset("tiny", mla_num_heads=4), 0)
+    x = torch.randn(2, 75, layer.o_proj.out_features, requires_grad=True)
+    mask = torch.ones(2, 75)
+    mask[1, :9] = 0
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def run(chunk):
+        monkeypatch.setattr(chunking, "TOKEN_CHUNK", chunk)
+        out = layer(x, positions, attn_mask_2d=mask)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])]
+
+    monkeypatch.setattr(chunking, "TOKEN_CHUNK", CHUNK)
+    assert layer._heads_per_group(75) == 3
+    whole = run(1 << 20)
+    for a, b in zip(run(CHUNK), whole):
+        _assert_close(a, b)
+
+
 def test_short_rows_are_one_plain_call(monkeypatch):
     """T <= TOKEN_CHUNK: fn(*args) itself, no checkpoint, no copies."""
     x = torch.randn(1, CHUNK, 4)

@@ -50,7 +50,7 @@ class GatedMLA(nn.Module):
     def forward(self, x, position_ids, cache=None, cu_seqlens=None, attn_mask_2d=None):
         """Same arguments as `SlidingWindowAttention.forward`; cache is a `LatentCache`. Returns [B, T, D].
 
-        Without a cache, a row longer than ``model.chunking.TOKEN_CHUNK`` runs its heads in groups
+        Without a cache, a row longer than 4 ``model.chunking.TOKEN_CHUNK`` runs its heads in groups
         (`_head_groups`); otherwise all heads at once."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [B, T, r]
@@ -68,7 +68,7 @@ class GatedMLA(nn.Module):
         if per_group == self.num_heads:
             o = self._attend(q_in, c_kv, k_pe, rotary, past, cu_seqlens, key_mask, 0, self.num_heads)
             return self.output(o, x)
-        return self._head_groups(x, q_in, c_kv, k_pe, rotary, cu_seqlens, per_group)
+        return self._head_groups(x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, per_group)
 
     def _heads_per_group(self, T: int) -> int:
         """Heads per group: all of them up to 4 ``TOKEN_CHUNK`` tokens, then fewer as T grows (4 of 16 at 1M
@@ -100,21 +100,21 @@ class GatedMLA(nn.Module):
             return linear(x)
         return F.linear(x, linear.weight[lo * per_head:hi * per_head])
 
-    def _head_groups(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, per_group: int) -> torch.Tensor:
+    def _head_groups(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, per_group: int) -> torch.Tensor:
         """sum over head groups of o_proj(o_g * sigmoid(g_proj x)_g) restricted to the group's columns [B, T, D],
         each group recomputed in backward: only x, the latent and the output span all heads."""
         out = None
         for lo in range(0, self.num_heads, per_group):
             hi = min(lo + per_group, self.num_heads)
-            args = (x, q_in, c_kv, k_pe, rotary, cu_seqlens, lo, hi)
+            args = (x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, lo, hi)
             part = (checkpoint(self._group_output, *args, use_reentrant=False) if torch.is_grad_enabled()
                     else self._group_output(*args))
             out = part if out is None else out + part
         return out
 
-    def _group_output(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, lo: int, hi: int) -> torch.Tensor:
+    def _group_output(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, lo: int, hi: int) -> torch.Tensor:
         B, T, _ = x.shape
-        o = self._attend(q_in, c_kv, k_pe, rotary, 0, cu_seqlens, None, lo, hi)  # [B, T, h, v]
+        o = self._attend(q_in, c_kv, k_pe, rotary, 0, cu_seqlens, key_mask, lo, hi)  # [B, T, h, v]
         gate = F.linear(x, self.g_proj.weight[lo * self.v_dim:hi * self.v_dim]).view(B, T, hi - lo, self.v_dim)
         o = (o * torch.sigmoid(gate)).reshape(B, T, (hi - lo) * self.v_dim)
         return F.linear(o, self.o_proj.weight[:, lo * self.v_dim:hi * self.v_dim])
