@@ -98,6 +98,32 @@ def test_linear_layer_on_a_padded_batch_in_chunks(monkeypatch):
         _assert_close(a, b)
 
 
+def test_linear_layer_segments_an_unpacked_row(monkeypatch):
+    """B = 1, no cu_seqlens / pos_in_seg: the layer runs in segments (`_segmented`) and equals the whole row,
+    output and the gradients of the input and every parameter (``.backward()``: the segments' parameter gradients
+    accumulate into ``.grad`` during the backward, as under reentrant checkpointing)."""
+    torch.manual_seed(0)
+    layer = LinearAttention(MarathonConfig.from_preset("tiny"), 0)
+    x = torch.randn(1, 75, layer.q_proj.in_features, requires_grad=True)
+    calls = []
+    segment = layer._segment
+    monkeypatch.setattr(layer, "_segment", lambda *a, **k: calls.append(1) or segment(*a, **k))
+
+    def run(chunk):
+        monkeypatch.setattr(chunking, "TOKEN_CHUNK", chunk)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        out.square().sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+    whole = run(1 << 20)
+    assert not calls
+    for a, b in zip(run(CHUNK), whole):
+        _assert_close(a, b)
+    assert len(calls) == 2 * 5  # 5 segments, forward and the backward's recompute
+
+
 def test_mla_head_groups_on_a_padded_batch(monkeypatch):
     """B = 2 rows, one left-padded (its key mask goes to every head group): GatedMLA with 4 heads run in groups of
     3 and 1 equals all heads at once, output and the gradients of the input and every parameter."""

@@ -147,7 +147,9 @@ class LinearAttention(nn.Module):
         segment's projections, short convs (reading W-1 tokens of halo), kernel and output gate, from the state
         the previous segment handed on. Only x and the output span the row; the backward recomputes one segment
         at a time. At 1M tokens this takes a KDA layer's recompute + backward from ~68 GiB (whole-row q/k/v/gate
-        and their gradients, the kernel's intermediates per 64K) to a segment's (benchmarks/learner/h200)."""
+        and their gradients, the kernel's intermediates per 64K) to a segment's (benchmarks/learner/h200).
+        The parameters' gradients accumulate into their ``.grad`` during the backward (as under reentrant
+        checkpointing): train with ``.backward()``; ``torch.autograd.grad`` on them does not see this path."""
         T = x.shape[1]
         bounds = [0, T] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
