@@ -99,12 +99,11 @@ GROUPED_MM_CUDA = "torch"
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """MoE grouped matmul (x [N, D] sorted by expert, w [E, D, F], offsets [E + 1] -> [N, F]): on CUDA with
-    matching 16-bit dtypes, one grouped GEMM launch for all experts (``GROUPED_MM_CUDA`` picks whose), else the
-    per-expert reference."""
+    matching dtypes, one grouped GEMM launch for all experts (``GROUPED_MM_CUDA`` picks whose; torch's takes bf16
+    on Hopper and later), else the per-expert reference."""
     if x.is_cuda and x.dtype == w.dtype:
-        torch_ok = hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and \
-            torch.cuda.get_device_capability(x.device) >= (9, 0)
-        if GROUPED_MM_CUDA == "torch" and torch_ok:
+        if GROUPED_MM_CUDA == "torch" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
+                torch.cuda.get_device_capability(x.device) >= (9, 0):
             return grouped_mm_torch(x, w, offsets)
         if grouped_mm_triton is not None:
             return grouped_mm_triton(x, w, offsets)

@@ -33,19 +33,20 @@ from torch.utils.checkpoint import checkpoint
 TOKEN_CHUNK = 1 << 16
 
 
-def over_tokens(fn: Callable[..., Any], *args: Any, dim: int = 1, halo: int = 0) -> Any:
-    """``fn(*args)`` over ``TOKEN_CHUNK`` tokens at a time -> its output (a tensor or a tuple of tensors, tokens on
-    ``dim``), the chunks' outputs concatenated.
+def over_tokens(fn: Callable[..., Any], *args: Any, dim: int = 1, halo: int = 0, chunk: int | None = None) -> Any:
+    """``fn(*args)`` over ``chunk`` (default ``TOKEN_CHUNK``) tokens at a time -> its output (a tensor or a tuple of
+    tensors, tokens on ``dim``), the chunks' outputs concatenated.
 
     args: tensors with their tokens on ``dim`` ([B, T, ...] for dim 1); 1-D tensors [T] (per-token values shared by
     the batch, as ``pos_in_seg``) on dim 0; anything else (None) goes to every chunk as is. T is the first
     tensor's. fn must be token-local but for ``halo`` tokens back (see the module docstring)."""
+    step = TOKEN_CHUNK if chunk is None else chunk
     T = next(a for a in args if torch.is_tensor(a) and a.dim() > 1).shape[dim]
-    if T <= TOKEN_CHUNK:
+    if T <= step:
         return fn(*args)
     parts = []
-    for lo in range(0, T, TOKEN_CHUNK):
-        start, n = max(lo - halo, 0), min(TOKEN_CHUNK, T - lo)
+    for lo in range(0, T, step):
+        start, n = max(lo - halo, 0), min(step, T - lo)
         chunk = [_narrow(a, dim, start, lo + n - start) for a in args]
         if torch.is_grad_enabled():
             parts.append(checkpoint(_drop_halo, fn, dim, lo - start, *chunk, use_reentrant=False))

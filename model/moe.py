@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.checkpoint import checkpoint
 
 import kernels
+from model.chunking import over_tokens
 from model.config import MarathonConfig
 
 _FORWARD_IDS = itertools.count()
@@ -216,13 +216,7 @@ class Experts(nn.Module):
         each chunk recomputed in backward: the sorted copies of x (k rows per token) and the expert activations of
         a 1M-token row would otherwise take ~100 GiB at hidden 2048 and top-4 (44 GiB measured in a no-grad
         forward on the H200)."""
-        if x.shape[0] <= self.TOKEN_CHUNK:
-            return self._grouped(x, weights, idx)
-        step, chunk = self.TOKEN_CHUNK, torch.is_grad_enabled()
-        return torch.cat([checkpoint(self._grouped, x[i:i + step], weights[i:i + step], idx[i:i + step],
-                                     use_reentrant=False) if chunk else
-                          self._grouped(x[i:i + step], weights[i:i + step], idx[i:i + step])
-                          for i in range(0, x.shape[0], step)])
+        return over_tokens(self._grouped, x, weights, idx, dim=0, chunk=self.TOKEN_CHUNK)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one grouped GEMM over the expert segments; the k weighted expert outputs of

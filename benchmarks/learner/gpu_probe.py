@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from marathon.commands.bench_learner import _sync  # noqa: E402
+
 GiB = 2**30
 
 
@@ -49,11 +51,6 @@ def _ctx(T: int, device: torch.device, lengths: list[int] | None = None):
     seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), cu.diff())
     pos = torch.arange(T, device=device) - cu[seg]
     return _Context(pos[None], None, cu, pos, None, forward_id=0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _peak_above(device: torch.device, fn) -> float:

@@ -94,11 +94,14 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, qk]
         return attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask).transpose(1, 2)  # [B, T, H, v]
 
-    def _rows(self, linear: nn.Linear, x: torch.Tensor, lo: int, hi: int, per_head: int) -> torch.Tensor:
-        """The output columns of heads [lo, hi) of ``linear`` (its own call for all heads)."""
+    def _rows(self, linear: nn.Linear, x: torch.Tensor, lo: int, hi: int, per_head: int,
+              on_input: bool = False) -> torch.Tensor:
+        """``linear`` restricted to heads [lo, hi): its output columns of those heads (``on_input``: its input
+        columns); the module's own call for all heads."""
         if lo == 0 and hi == self.num_heads:
             return linear(x)
-        return F.linear(x, linear.weight[lo * per_head:hi * per_head])
+        cols = slice(lo * per_head, hi * per_head)
+        return F.linear(x, linear.weight[:, cols] if on_input else linear.weight[cols])
 
     def _head_groups(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, per_group: int) -> torch.Tensor:
         """sum over head groups of o_proj(o_g * sigmoid(g_proj x)_g) restricted to the group's columns [B, T, D],
@@ -113,18 +116,18 @@ class GatedMLA(nn.Module):
         return out
 
     def _group_output(self, x, q_in, c_kv, k_pe, rotary, cu_seqlens, key_mask, lo: int, hi: int) -> torch.Tensor:
-        B, T, _ = x.shape
         o = self._attend(q_in, c_kv, k_pe, rotary, 0, cu_seqlens, key_mask, lo, hi)  # [B, T, h, v]
-        gate = F.linear(x, self.g_proj.weight[lo * self.v_dim:hi * self.v_dim]).view(B, T, hi - lo, self.v_dim)
-        o = (o * torch.sigmoid(gate)).reshape(B, T, (hi - lo) * self.v_dim)
-        return F.linear(o, self.o_proj.weight[:, lo * self.v_dim:hi * self.v_dim])
+        return self._gated_output(o, x, lo, hi)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention output o [B, T, H, v] and the layer input x [B, T, D] -> o_proj(o * sigmoid(g_proj x))
         [B, T, D], in token chunks on long rows (`model.chunking`)."""
         return over_tokens(self._gated_output, o, x)
 
-    def _gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _gated_output(self, o: torch.Tensor, x: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """o [B, T, h, v] of heads [lo, hi) (all by default) -> their share of o_proj(o * sigmoid(g_proj x))."""
         B, T, H, _ = o.shape
-        o = o * torch.sigmoid(self.g_proj(x).view(B, T, H, self.v_dim))  # [B, T, H, v]
-        return self.o_proj(o.reshape(B, T, H * self.v_dim))
+        hi = self.num_heads if hi is None else hi
+        gate = self._rows(self.g_proj, x, lo, hi, self.v_dim).view(B, T, H, self.v_dim)
+        o = (o * torch.sigmoid(gate)).reshape(B, T, H * self.v_dim)  # [B, T, h * v]
+        return self._rows(self.o_proj, o, lo, hi, self.v_dim, on_input=True)
