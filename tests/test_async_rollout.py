@@ -189,10 +189,16 @@ def test_weights_change_mid_episode(ray_local, async_worker, tiny_qwen3_dir, tmp
     while not Path(gate + ".armed").exists():
         assert time.time() < deadline and not ray_local.get(async_worker.take.remote(0.0)), "the episode never got to its gate"
         time.sleep(0.05)
+    # the update must land inside the long turn on any machine: time one such turn first, ship the weights to
+    # the object store before it starts, and send the update a third of the way in
+    weights = ray_local.put(new.state_dict())
+    start = time.perf_counter()
+    ray_local.get(async_worker.generate_one.remote(GenRequest("calibrate", list(range(3, 40)), 900, ignore_eos=True)))
+    turn_s = time.perf_counter() - start
     long_turn = async_worker.generate_one.remote(GenRequest("long", list(range(3, 40)), 900, ignore_eos=True))
-    time.sleep(1.0)
+    time.sleep(turn_s / 3)
     try:
-        ray_local.get(async_worker.update_weights.remote(new.state_dict(), 1))
+        ray_local.get(async_worker.update_weights.remote(weights, 1))
         Path(gate + ".go").touch()
         (t,) = ray_local.get(async_worker.take.remote(60.0))
         res = ray_local.get(long_turn)
@@ -220,7 +226,8 @@ def test_weights_change_mid_episode(ray_local, async_worker, tiny_qwen3_dir, tmp
     # context (the engine recomputed the running request's cache under the new weights)
     ids = list(range(3, 40)) + res.token_ids
     v = torch.tensor(res.token_versions)
-    assert v[0] == 0 and v[-1] == 1 and (v[1:] >= v[:-1]).all()
+    assert v[0] == 0 and v[-1] == 1 and (v[1:] >= v[:-1]).all(), \
+        f"first/last token versions {int(v[0])}/{int(v[-1])}; a {len(v)}-token turn took {turn_s:.2f} s here"
     n = len(range(3, 40))
     ref = torch.where(v == 1, _hf_logprobs(new, ids)[n - 1:], _hf_logprobs(old, ids)[n - 1:])
     assert (torch.tensor(res.logprobs) - ref).abs().max() < 1e-4
