@@ -183,9 +183,9 @@ def test_cuda_varlen_flash_matches_dense_reference(d, dv, window):
     torch.testing.assert_close(attend(q32, k32, v32, 0, window, cu).double(), ref, rtol=0, atol=1e-4)
 
 
-def _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
-    """FlashAttention varlen's contract on CPU: q [N, Hq, D], k/v [N, Hkv, D]; causal, key j visible from query i
-    iff i - window_size[0] <= j <= i (left -1: unbounded) within each sequence of cu."""
+def _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
+    """FlashAttention varlen's contract on CPU (torch 2.12's signature): q [N, Hq, D], k/v [N, Hkv, D]; causal,
+    key j visible from query i iff i - window_size[0] <= j <= i (left -1: unbounded) within each sequence of cu."""
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and window_size[1] == 0
     assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and enable_gqa == (q.shape[1] != k.shape[1])
     b = cu_q.tolist()
@@ -202,12 +202,20 @@ def _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, e
     return torch.cat(out)
 
 
+def _stand_in_varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+    """torch 2.10 / 2.11's signature: no enable_gqa, so k/v come with as many heads as q."""
+    assert q.shape[1] == k.shape[1] == v.shape[1]
+    return _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+@pytest.mark.parametrize("kernel", [(_stand_in_varlen, True), (_stand_in_varlen_2_11, False)], ids=["2.12", "2.11"])
 @pytest.mark.parametrize("d,dv,window,cu", [(24, 16, None, [0, 1, 40, 300]), (16, 16, 9, [0, 300]),
                                             (12, 20, 64, [0, 5, 300]), (16, 16, 9, None)])
-def test_varlen_plumbing_against_a_stand_in_kernel(monkeypatch, d, dv, window, cu):
-    """The CUDA varlen path's token layout, head-dim padding, scale, window and GQA arguments, checked on CPU
-    with a stand-in for the kernel (the real kernel: test_cuda_varlen_flash_matches_dense_reference)."""
-    monkeypatch.setattr(sdpa, "_VARLEN", _stand_in_varlen)
+def test_varlen_plumbing_against_a_stand_in_kernel(monkeypatch, kernel, d, dv, window, cu):
+    """The CUDA varlen path's token layout, head-dim padding, scale, window and GQA arguments (a flag from torch
+    2.12, kv heads repeated before it), checked on CPU with a stand-in for the kernel (the real kernel:
+    test_cuda_varlen_flash_matches_dense_reference)."""
+    monkeypatch.setattr(sdpa, "_VARLEN", kernel)
     monkeypatch.setattr(sdpa, "_flash_varlen_ok", lambda q, k, v: True)
     B = 1 if cu is not None else 3
     cu_t = None if cu is None else torch.tensor(cu)

@@ -5,7 +5,7 @@ Self-attention over whole sequences (training, prefill: no past, no padding mask
 - CUDA, fp16/bf16: FlashAttention's varlen kernel (``torch.nn.attention.varlen``) over the packed row (or the
   B rows of a batch laid end to end) in one call, the window as its left window size; head dims padded with
   zeros to a common multiple of 8 where q/k and v differ (MLA's 192 / 128).
-- elsewhere (CPU, fp32 CUDA, or a torch without varlen): one sequence at a time; a global layer through SDPA
+- elsewhere (CPU, fp32 CUDA, or a torch before 2.10's windowed varlen): one sequence at a time; a global layer through SDPA
   with ``is_causal=True`` (flash kernels: O(T) memory); a sliding window of W through query blocks
   (`_window_blocks`): each block of Bq queries attends to the Bq + W - 1 keys it can see with a small
   additive mask, O(T (Bq + W)) work and an O(Bq (Bq + W)) mask per block, shared by all full interior blocks.
@@ -137,17 +137,19 @@ def _block_mask(n_q: int, n_k: int, delta: int, window: int, dtype: torch.dtype,
 
 # -- CUDA: FlashAttention varlen --------------------------------------------------------------------------------
 
-_VARLEN = None  # torch.nn.attention.varlen.varlen_attn when it takes windows and GQA, else False (resolved lazily)
+_VARLEN = None  # (varlen_attn, whether it takes enable_gqa) when it takes windows and a scale, else False (lazily)
 
 
-def _varlen_fn():
+def _varlen_fn() -> tuple | bool:
+    """torch.nn.attention.varlen.varlen_attn with ``window_size`` and ``scale`` (torch 2.10+), and whether it takes
+    ``enable_gqa`` (2.12+; https://docs.pytorch.org/docs/2.12/nn.attention.varlen.html); False without them."""
     global _VARLEN
     if _VARLEN is None:
         try:
             from torch.nn.attention.varlen import varlen_attn
 
-            params = inspect.signature(varlen_attn).parameters
-            _VARLEN = varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else False
+            params = set(inspect.signature(varlen_attn).parameters)
+            _VARLEN = (varlen_attn, "enable_gqa" in params) if {"window_size", "scale"} <= params else False
         except ImportError:
             _VARLEN = False
     return _VARLEN
@@ -172,9 +174,15 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: lis
         x = x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[-1])
         return F.pad(x, (0, D - x.shape[-1])) if x.shape[-1] < D else x.contiguous()
 
+    varlen_attn, takes_gqa = _varlen_fn()
+    gqa = {}
+    if Hq != Hkv and takes_gqa:
+        gqa["enable_gqa"] = True
+    elif Hq != Hkv:  # torch 2.10 / 2.11: no GQA flag, so each kv head repeated for its Hq / Hkv query heads
+        k, v = (x.repeat_interleave(Hq // Hkv, dim=1) for x in (k, v))
     cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     left = -1 if window is None or window >= longest else window - 1
-    o = _varlen_fn()(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, scale=d**-0.5,
-                     window_size=(left, 0), enable_gqa=Hq != Hkv)  # [B*T, Hq, D]
+    o = varlen_attn(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest, scale=d**-0.5,
+                    window_size=(left, 0), **gqa)  # [B*T, Hq, D]
     return o[..., :dv].reshape(B, T, Hq, dv).transpose(1, 2)
