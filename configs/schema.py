@@ -132,6 +132,9 @@ class LearnerSection(_Section):
     micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed micro-batch
     packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
+    # torch.compile the model's token-local modules (norms, attention-residual mixes, short convs, SwiGLU:
+    # learner/compile.py); each distinct module pays a compile on the first update
+    compile: bool = False
     # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
     offload_activations_tokens: int | None = Field(None, ge=1)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
@@ -147,6 +150,13 @@ class LearnerSection(_Section):
     # An actor that dies (learner, or a rollout worker during a weight sync): the driver restarts the actors from
     # the last checkpoint, at most this many times per driver process
     max_restarts: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _compile_without_zero3(self) -> "LearnerSection":
+        if self.compile and self.zero_stage == 3:
+            raise ValueError("learner.compile is not supported with zero_stage 3 (parameters gathered by DeepSpeed's "
+                             "hooks around compiled forwards are untested); use zero_stage 0-2 or compile: false")
+        return self
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> "LearnerSection":

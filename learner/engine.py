@@ -21,6 +21,7 @@ import torch
 from configs.schema import LearnerSection, LossSection
 from learner import data_parallel as dp
 from learner import offload
+from learner.compile import compile_token_local
 from learner.dist import init_distributed
 from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
@@ -99,6 +100,8 @@ class Learner:
             module.gradient_checkpointing_enable()
             if cfg.offload_activations_tokens:
                 offload.install(module, cfg.offload_activations_tokens)
+        if cfg.compile:
+            compile_token_local(module)
         module.config.use_cache = False
         self.forward_kwargs = set(inspect.signature(module.forward).parameters)
         # Packing needs a varlen forward (cu_seqlens); a plain HF model would attend over the whole packed row

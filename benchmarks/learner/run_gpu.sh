@@ -8,10 +8,11 @@
 #   bash benchmarks/learner/run_gpu.sh probe           # per half-layer memory at 256K-1M, head / MoE / step profiles
 #   bash benchmarks/learner/run_gpu.sh probe-1m single # per half-layer memory at 1M; one update of a 1M episode
 #   bash benchmarks/learner/run_gpu.sh steady global-512k  # 16K/64K steady state + 256K single, both layouts; all-MLA 512K
+#   bash benchmarks/learner/run_gpu.sh steady-compile  # 16K/64K steady state, token-local modules compiled
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
-# Triton's compile cache is kept in .tcache/ (carry it to the next call: `tcache.tgz` comes back in $OUT).
+# Triton's and Inductor's compile caches are kept in .tcache/ (carry it to the next call: `tcache.tgz` comes back in $OUT).
 # Each step has its own time limit and writes its log and results under $OUT (or ./gpu-out).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the cache comes back in parts of < 16 MiB (the device tool's limit per file): tcache.tgz.part-aa, -ab, ...
 mkdir -p .tcache && ls .tcache/tcache.tgz* >/dev/null 2>&1 && cat .tcache/tcache.tgz* | tar -xzf - -C .tcache && rm -f .tcache/tcache.tgz*
-export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.tcache/inductor
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
@@ -64,10 +65,13 @@ for group in "$@"; do
     steady)
         step steady 420 python3 -m marathon.commands.bench_learner --layouts hybrid,global --tokens 16384,65536 \
             --single 262144 --max-step-s 120 --out "$OUT/steady" ;;
+    steady-compile)  # the 16K / 64K steady state with the token-local modules compiled (learner/compile.py)
+        step steady-compile 420 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
+            --tokens 16384,65536 --single 0 --max-step-s 120 --out "$OUT/steady-compile" ;;
     global-512k)
         step global-512k 300 python3 -m marathon.commands.bench_learner --layouts global --tokens "" --single 524288 \
             --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --offload-tokens 524288 --out "$OUT/global-512k" ;;
     *) echo "unknown group $group"; exit 2 ;;
     esac
 done
-tar -czf - -C .tcache triton 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"/tcache.tgz.part-*
+tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"/tcache.tgz.part-*

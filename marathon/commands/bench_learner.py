@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-tokens", type=int, default=1048576,
                         help="rows of at least this many tokens keep their checkpointed layer inputs in host memory "
                              "(learner/offload.py; 0: never)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--max-step-s", type=float, default=150.0,
                         help="skip a case whose step is predicted (the last case's time scaled by model FLOPs) to "
@@ -238,6 +240,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32", gradient_checkpointing=True,
                              micro_batch_tokens=args.micro_batch_tokens,
                              offload_activations_tokens=args.offload_tokens or None,
+                             compile=args.compile,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
         print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
@@ -322,7 +325,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"Command: `{meta['command']}`", "",
              f"Preset `{meta['preset']}`: {PRESET_NOTE.get(meta['preset'], '')}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
-             "optimizer step, gradient checkpointing).", "",
+             "optimizer step, gradient checkpointing" + (", token-local modules compiled" if meta.get("compile") else "")
+             + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
              "decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -370,7 +374,8 @@ def main(args: argparse.Namespace) -> int:
         name = torch.cuda.get_device_name()
     else:
         peak, name = float("nan"), "cpu"
-    meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "peak_tflops": peak,
+    meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
+            "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                              if a not in ("bench", "learner"))}
     print(json.dumps(meta), flush=True)
