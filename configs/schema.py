@@ -132,8 +132,8 @@ class LearnerSection(_Section):
     micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed micro-batch
     packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
-    # torch.compile the model's token-local modules (norms, attention-residual mixes, short convs, SwiGLU:
-    # learner/compile.py); each distinct module pays a compile on the first update
+    # torch.compile the model's token-local glue (norms, attention-residual mixes, short convs, gates, RoPE,
+    # SwiGLU: learner/compile.py); the first update pays the compiles
     compile: bool = False
     # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
     offload_activations_tokens: int | None = Field(None, ge=1)

@@ -2,16 +2,17 @@
 
 The H200 profile of a 64K-token update (benchmarks/learner/h200/README.md) spends about two thirds of the device
 time in PyTorch's elementwise, reduction and copy kernels, one small kernel per op, in fp32, and each run again by
-the checkpointed recompute: RMSNorms, the attention-residual mixes, the short convs' taps, SwiGLU's gate. The
-matmuls and the attention / KDA kernels are a third. ``compile_token_local`` hands the forward of every such
-module to ``torch.compile`` (Inductor fuses each into a few kernels, forward and backward), as torchtitan's
-``apply_compile`` compiles its blocks (https://github.com/pytorch/torchtitan). Only modules whose forward is
-plain tensor math are compiled, so there is no graph break and no recompile per packing: the layers' Python
-(packed-row bounds, token chunks, Triton kernels, MoE dispatch) stays eager.
+the checkpointed recompute: RMSNorms, the attention-residual mixes, the short convs' taps, q/k norms, gates,
+RoPE, SwiGLU's gate. The matmuls and the attention / KDA kernels are a third. ``compile_token_local`` hands every
+such function to ``torch.compile`` (Inductor fuses each into a few kernels, forward and backward), as
+torchtitan's ``apply_compile`` compiles its blocks (https://github.com/pytorch/torchtitan): the forward of the
+token-local modules and the token-local methods of the attention layers. Only plain tensor math is compiled, so
+there is no graph break and no recompile per packing: the layers' Python around it (packed-row bounds, token
+chunks, segments, the Triton kernels, attention, MoE dispatch) stays eager.
 
-``dynamic=True``: one graph serves every row length. The attention-residual mix compiles once per number of
-sources (blocks so far + 1). The module's hooks (DeepSpeed's) stay outside the compiled function: the instance's
-``forward`` is replaced, not its ``__call__``.
+``dynamic=True``: one graph serves every row length (one per grad mode; the attention-residual mix one per
+number of sources). A module's hooks (DeepSpeed's) stay outside the compiled function: the instance's ``forward``
+is replaced, not its ``__call__``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,32 @@ import torch
 from torch import nn
 
 from model.attention.conv import ShortConv
+from model.attention.linear import LinearAttention
+from model.attention.mla import GatedMLA
+from model.attention.sliding import SlidingWindowAttention
 from model.attn_residual import AttnResidualMix
 from model.moe import SwiGLU
 from model.norm import RMSNorm
+from model.rope import RotaryEmbedding
 
-TOKEN_LOCAL = (RMSNorm, AttnResidualMix, ShortConv, SwiGLU)  # RMSNorm includes GatedRMSNorm
+TOKEN_LOCAL = (RMSNorm, AttnResidualMix, ShortConv, SwiGLU, RotaryEmbedding)  # RMSNorm: GatedRMSNorm too
+# The attention layers' token-local methods: projections, short convs, q/k norms, gates, RoPE, the output gate
+# and norm. Their kernels (KDA, attention), packed-row bounds and token chunks stay eager around them.
+TOKEN_LOCAL_METHODS = {
+    LinearAttention: ("_kernel_inputs", "output"),
+    SlidingWindowAttention: ("_qkv",),
+    GatedMLA: ("_gated_output",),
+}
 
 
 def compile_token_local(model: nn.Module) -> int:
-    """Compile the forward of every token-local module of ``model`` in place -> how many were compiled."""
+    """Compile, in place, the forward of every token-local module of ``model`` and the token-local methods of its
+    attention layers -> how many functions were compiled."""
     compiled = 0
     for module in model.modules():
-        if isinstance(module, TOKEN_LOCAL):
-            module.forward = torch.compile(module.forward, dynamic=True)
-            compiled += 1
+        names = ["forward"] if isinstance(module, TOKEN_LOCAL) else []
+        names += [m for cls, methods in TOKEN_LOCAL_METHODS.items() if isinstance(module, cls) for m in methods]
+        for name in names:
+            setattr(module, name, torch.compile(getattr(module, name), dynamic=True))
+        compiled += len(names)
     return compiled

