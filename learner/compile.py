@@ -17,6 +17,9 @@ is replaced, not its ``__call__``.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from torch import nn
 
@@ -41,12 +44,21 @@ TOKEN_LOCAL_METHODS = {
 
 def compile_token_local(model: nn.Module) -> int:
     """Compile, in place, the forward of every token-local module of ``model`` and the token-local methods of its
-    attention layers -> how many functions were compiled."""
-    compiled = 0
+    attention layers -> how many methods were replaced.
+
+    Each instance gets the class's compiled function bound to itself (one compiled function per class and method,
+    shared by all instances): a ``copy.deepcopy`` of the model (the KL reference) binds it to the copy, where a
+    compiled bound method would keep calling the original module's weights."""
+    replaced = 0
     for module in model.modules():
         names = ["forward"] if isinstance(module, TOKEN_LOCAL) else []
         names += [m for cls, methods in TOKEN_LOCAL_METHODS.items() if isinstance(module, cls) for m in methods]
         for name in names:
-            setattr(module, name, torch.compile(getattr(module, name), dynamic=True))
-        compiled += len(names)
-    return compiled
+            setattr(module, name, types.MethodType(_compiled(type(module), name), module))
+        replaced += len(names)
+    return replaced
+
+
+@functools.cache
+def _compiled(cls: type, name: str):
+    return torch.compile(getattr(cls, name), dynamic=True)

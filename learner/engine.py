@@ -157,7 +157,8 @@ class Learner:
         out: dict[int, list[float]] = {}
         for mb in self.rank_micro_batches(samples):
             with self.on_shard(mb) as local:
-                logp = token_logprobs(model or self.engine, local, self.forward_kwargs, temperature, all_positions)
+                logp = token_logprobs(model or self.engine, local, self.forward_kwargs, temperature, all_positions,
+                                      compiled=self.cfg.compile)
             if self.cp is not None:  # the shards' logprobs, in row order (the row padded to a multiple of CP)
                 logp = self.cp.gather(logp)
             for i, row, start in mb.segments:
@@ -188,7 +189,7 @@ class Learner:
         grad_norm = None
         for k, mb in enumerate(mbs):
             with self.on_shard(mb) as local:  # under CP: this rank's shard; `total` counts the whole rows
-                logp = token_logprobs(self.engine, local, self.forward_kwargs, temperature)
+                logp = token_logprobs(self.engine, local, self.forward_kwargs, temperature, compiled=self.cfg.compile)
                 loss_sum, stats = loss_fn(local, logp)
                 # DeepSpeed divides by the accumulation count and averages over ranks (CP ranks included: each
                 # holds its shard's partial gradient); the result is the token mean of the whole update

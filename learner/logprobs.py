@@ -15,6 +15,7 @@ so the learner must score the same distribution or every importance ratio is bia
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -33,18 +34,26 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+@functools.cache
+def _compiled_chunk_logprobs():
+    """`_chunk_logprobs` through ``torch.compile``: the cast, scaling, gather and logsumexp of the fp32 [chunk, vocab]
+    block fused, forward and backward (``learner.compile``; see learner/compile.py)."""
+    return torch.compile(_chunk_logprobs, dynamic=True)
+
+
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                  chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
     """hidden [n, D], targets [n] -> [n] fp32, ``chunk_tokens`` rows at a time, each recomputed in backward."""
+    fn = _compiled_chunk_logprobs() if compiled else _chunk_logprobs
     if hidden.shape[0] <= chunk_tokens and not torch.is_grad_enabled():
-        return _chunk_logprobs(head, hidden, targets, temperature)
+        return fn(head, hidden, targets, temperature)
     parts = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+            parts.append(checkpoint(fn, head, h, t, temperature, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(head, h, t, temperature))
+            parts.append(fn(head, h, t, temperature))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
@@ -61,15 +70,16 @@ def forward_kwargs_for(mb: MicroBatch, accepted: set[str]) -> dict[str, Any]:
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, accepted: set[str], temperature: float = 1.0,
-                   all_positions: bool = False, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                   all_positions: bool = False, chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
     """log pi_T(target_t | ids_<=t) [B, T] fp32 where ``mb.loss_mask`` is set (every position with
     ``all_positions``), 0 elsewhere. ``model``: an HF causal LM (or a DeepSpeed engine around one) whose
-    decoder returns ``last_hidden_state`` and whose output embeddings are the LM head."""
+    decoder returns ``last_hidden_state`` and whose output embeddings are the LM head. ``compiled``: the head's
+    blocks through ``torch.compile``."""
     module = getattr(model, "module", model)  # a DeepSpeed engine's model
     hidden = module.get_decoder()(**forward_kwargs_for(mb, accepted)).last_hidden_state  # [B, T, D]
     keep = torch.ones_like(mb.loss_mask, dtype=torch.bool) if all_positions else mb.loss_mask != 0  # [B, T]
     idx = keep.flatten().nonzero().squeeze(-1)  # [n]
     scored = head_logprobs(module.get_output_embeddings(), hidden.flatten(0, 1).index_select(0, idx),
-                           mb.targets.flatten().index_select(0, idx), temperature, chunk_tokens)  # [n]
+                           mb.targets.flatten().index_select(0, idx), temperature, chunk_tokens, compiled)  # [n]
     out = torch.zeros(keep.numel(), device=scored.device, dtype=torch.float32)
     return out.index_put((idx,), scored).view_as(mb.loss_mask)

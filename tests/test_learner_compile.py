@@ -3,6 +3,7 @@ break and one graph per module kind and grad mode, not one per packing."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -51,6 +52,16 @@ def test_compiled_learner_trains_like_the_eager_one(tiny_marathon_dir, one_threa
     assert want_g.keys() == got_g.keys()
     for name, g in want_g.items():
         assert (got_g[name] - g).abs().max() <= 5e-5 * g.abs().max() + 1e-9, name  # fp32, fused sums
+
+    # a deep copy (the learner's KL reference) computes with its own weights, not the original's
+    twins = [copy.deepcopy(m) for m in (eager, compiled)]
+    with torch.no_grad():
+        for twin in twins:
+            for p in twin.parameters():
+                p.mul_(1.1)
+        want, got = (twin(input_ids=ids, cu_seqlens=cu).logits for twin in twins)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - grads[1][0]).abs().max() > 1e-2
 
     # the learner: logprobs on two packings, and the weights after an RL update on each
     lr = 3e-5  # Adam's first steps are near sign(grad): rounding can flip the step of a near-zero gradient
