@@ -6,9 +6,9 @@ the checkpointed recompute: RMSNorms, the attention-residual mixes, the short co
 RoPE, SwiGLU's gate. The matmuls and the attention / KDA kernels are a third. ``compile_token_local`` hands every
 such function to ``torch.compile`` (Inductor fuses each into a few kernels, forward and backward), as
 torchtitan's ``apply_compile`` compiles its blocks (https://github.com/pytorch/torchtitan): the forward of the
-token-local modules and the token-local methods of the attention layers. Only plain tensor math is compiled, so
-there is no graph break and no recompile per packing: the layers' Python around it (packed-row bounds, token
-chunks, segments, the Triton kernels, attention, MoE dispatch) stays eager.
+token-local modules and the token-local methods of the attention layers and the MoE router. Only plain tensor
+math is compiled, so there is no graph break and no recompile per packing: the layers' Python around it
+(packed-row bounds, token chunks, segments, the Triton kernels, attention, expert dispatch) stays eager.
 
 ``dynamic=True``: one graph serves every row length (one per grad mode; the attention-residual mix one per
 number of sources). A module's hooks (DeepSpeed's) stay outside the compiled function: the instance's ``forward``
@@ -28,23 +28,24 @@ from model.attention.linear import LinearAttention
 from model.attention.mla import GatedMLA
 from model.attention.sliding import SlidingWindowAttention
 from model.attn_residual import AttnResidualMix
-from model.moe import SwiGLU
+from model.moe import Router, SwiGLU
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding
 
 TOKEN_LOCAL = (RMSNorm, AttnResidualMix, ShortConv, SwiGLU, RotaryEmbedding)  # RMSNorm: GatedRMSNorm too
-# The attention layers' token-local methods: projections, short convs, q/k norms, gates, RoPE, the output gate
-# and norm. Their kernels (KDA, attention), packed-row bounds and token chunks stay eager around them.
+# The token-local methods of the attention layers (projections, short convs, q/k norms, gates, RoPE, the output
+# gate and norm) and of the MoE router. Their kernels, packed-row bounds and token chunks stay eager around them.
 TOKEN_LOCAL_METHODS = {
     LinearAttention: ("_kernel_inputs", "output"),
     SlidingWindowAttention: ("_qkv",),
     GatedMLA: ("_gated_output",),
+    Router: ("scores", "route"),  # fp32 scores, clip, sigmoid, balancing, top-k, renormalised weights
 }
 
 
 def compile_token_local(model: nn.Module) -> int:
     """Compile, in place, the forward of every token-local module of ``model`` and the token-local methods of its
-    attention layers -> how many methods were replaced.
+    attention layers and routers -> how many methods were replaced.
 
     Each instance gets the class's compiled function bound to itself (one compiled function per class and method,
     shared by all instances): a ``copy.deepcopy`` of the model (the KL reference) binds it to the copy, where a

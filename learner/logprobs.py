@@ -70,7 +70,8 @@ def forward_kwargs_for(mb: MicroBatch, accepted: set[str]) -> dict[str, Any]:
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, accepted: set[str], temperature: float = 1.0,
-                   all_positions: bool = False, chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
+                   all_positions: bool = False, chunk_tokens: int = CHUNK_TOKENS,
+                   compiled: bool = False) -> torch.Tensor:
     """log pi_T(target_t | ids_<=t) [B, T] fp32 where ``mb.loss_mask`` is set (every position with
     ``all_positions``), 0 elsewhere. ``model``: an HF causal LM (or a DeepSpeed engine around one) whose
     decoder returns ``last_hidden_state`` and whose output embeddings are the LM head. ``compiled``: the head's

@@ -5,8 +5,8 @@ Self-attention over whole sequences (training, prefill: no past, no padding mask
 - CUDA, fp16/bf16: FlashAttention's varlen kernel (``torch.nn.attention.varlen``) over the packed row (or the
   B rows of a batch laid end to end) in one call, the window as its left window size; head dims padded with
   zeros to a common multiple of 8 where q/k and v differ (MLA's 192 / 128).
-- elsewhere (CPU, fp32 CUDA, or a torch before 2.10's windowed varlen): one sequence at a time; a global layer through SDPA
-  with ``is_causal=True`` (flash kernels: O(T) memory); a sliding window of W through query blocks
+- elsewhere (CPU, fp32 CUDA, or a torch before 2.10's windowed varlen): one sequence at a time; a global layer
+  through SDPA with ``is_causal=True`` (flash kernels: O(T) memory); a sliding window of W through query blocks
   (`_window_blocks`): each block of Bq queries attends to the Bq + W - 1 keys it can see with a small
   additive mask, O(T (Bq + W)) work and an O(Bq (Bq + W)) mask per block, shared by all full interior blocks.
 Decoding and padded generation batches (``past`` > 0 with a global layer, ``key_mask``) build the explicit
