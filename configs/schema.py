@@ -133,7 +133,7 @@ class LearnerSection(_Section):
     packing: bool = True  # pack episodes into one row with cu_seqlens when the model has a varlen forward; else pad
     gradient_checkpointing: bool = False
     # torch.compile the model's token-local glue (norms, attention-residual mixes, short convs, gates, RoPE,
-    # SwiGLU: learner/compile.py); the first update pays the compiles
+    # SwiGLU, routing, the logprob head's blocks: learner/compile.py); the first update pays the compiles
     compile: bool = False
     # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
     offload_activations_tokens: int | None = Field(None, ge=1)

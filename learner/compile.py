@@ -55,11 +55,12 @@ def compile_token_local(model: nn.Module) -> int:
         names = ["forward"] if isinstance(module, TOKEN_LOCAL) else []
         names += [m for cls, methods in TOKEN_LOCAL_METHODS.items() if isinstance(module, cls) for m in methods]
         for name in names:
-            setattr(module, name, types.MethodType(_compiled(type(module), name), module))
+            setattr(module, name, types.MethodType(compile_fn(getattr(type(module), name)), module))
         replaced += len(names)
     return replaced
 
 
 @functools.cache
-def _compiled(cls: type, name: str):
-    return torch.compile(getattr(cls, name), dynamic=True)
+def compile_fn(fn):
+    """``torch.compile(fn, dynamic=True)``, once per function (the class's method, the logprob head's block)."""
+    return torch.compile(fn, dynamic=True)

@@ -15,12 +15,12 @@ so the learner must score the same distribution or every importance ratio is bia
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from learner.compile import compile_fn
 from learner.packing import MicroBatch
 
 CHUNK_TOKENS = 1024  # rows per head block: 1024 x 160K vocab x 4 B = 640 MiB per fp32 block
@@ -34,17 +34,12 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-@functools.cache
-def _compiled_chunk_logprobs():
-    """`_chunk_logprobs` through ``torch.compile``: the cast, scaling, gather and logsumexp of the fp32 [chunk, vocab]
-    block fused, forward and backward (``learner.compile``; see learner/compile.py)."""
-    return torch.compile(_chunk_logprobs, dynamic=True)
-
-
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                   chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
-    """hidden [n, D], targets [n] -> [n] fp32, ``chunk_tokens`` rows at a time, each recomputed in backward."""
-    fn = _compiled_chunk_logprobs() if compiled else _chunk_logprobs
+    """hidden [n, D], targets [n] -> [n] fp32, ``chunk_tokens`` rows at a time, each recomputed in backward.
+    ``compiled``: each block's cast, scaling, gather and logsumexp of the fp32 [chunk, vocab] block fused by
+    ``torch.compile``, forward and backward (``learner.compile``)."""
+    fn = compile_fn(_chunk_logprobs) if compiled else _chunk_logprobs
     if hidden.shape[0] <= chunk_tokens and not torch.is_grad_enabled():
         return fn(head, hidden, targets, temperature)
     parts = []

@@ -29,14 +29,12 @@ def _samples(lengths, vocab=512, seed=0):
 def test_compiled_learner_trains_like_the_eager_one(tiny_marathon_dir, one_thread):
     from torch._dynamo.utils import counters
 
-    from learner.engine import Learner
+    from learner.compile import compile_token_local
+    from learner.engine import Learner, load_causal_lm
 
     torch._dynamo.reset()
     counters.clear()
     # the model: logits and every parameter's gradient on a packed row, checkpointed halves recomputed
-    from learner.compile import compile_token_local
-    from learner.engine import load_causal_lm
-
     eager, compiled = (load_causal_lm(tiny_marathon_dir, torch.float32, torch.device("cpu")) for _ in range(2))
     assert compile_token_local(compiled) > 0
     ids, cu = torch.randint(10, 512, (1, 300)), torch.tensor([0, 1, 64, 129, 300])
