@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/learner/run_gpu.sh learner-packed  # bench learner, hybrid: packed 16K-1M, single 1M
 #   bash benchmarks/learner/run_gpu.sh head learner    # logprob head memory; 16K/64K steady state, single 1M
-#   bash benchmarks/learner/run_gpu.sh tests kernels   # H200 kernel/learner tests; kernel table vs fla
+#   bash benchmarks/learner/run_gpu.sh tests-kernels   # H200 kernel/learner tests beside the table's compiles; table vs fla
 #   bash benchmarks/learner/run_gpu.sh global          # the all-MLA layout
 #   bash benchmarks/learner/run_gpu.sh probe           # per half-layer memory at 256K-1M, head / MoE / step profiles
 #   bash benchmarks/learner/run_gpu.sh probe-1m single # per half-layer memory at 1M; one update of a 1M episode
@@ -35,6 +35,18 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 25 "$OUT/$name.log"
 }
 
+warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape, all at once
+    local i n t0=$SECONDS
+    n=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(len(SHAPES))")
+    echo "=== warm kernels: $n shapes in parallel (limit ${1}s)"
+    for ((i = 0; i < n; i++)); do  # autotune results stay uncached here: they were timed on a shared GPU
+        env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$1" python3 -m marathon.commands.bench_kernels \
+            --shapes --warm --shape-index "$i" --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i.log" 2>&1 &
+    done
+    wait
+    echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 3 "$OUT"/kernels-warm-*.log
+}
+
 for group in "$@"; do
     case $group in
     learner)
@@ -43,11 +55,18 @@ for group in "$@"; do
     learner-packed)
         step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
-    tests)  # the kernel checks first (each (dtype, head dim) pays a Triton compile), then the learner's
-        step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
-            tests/test_model_gpu.py -k "packed or short or head_dim or grouped or offload or learner_on_cuda or logprob_head" ;;
-    kernels)
-        step kernels 200 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
+    tests)  # the kernel, model and learner checks, 8 pytest workers (each (dtype, head dim) pays a Triton compile)
+        step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
+            tests/test_model_gpu.py tests/test_model_varlen.py ;;
+    kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
+        warm_kernels 300
+        step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
+    tests-kernels)  # both at once: the tests' workers and the table's compiles share the machine's 16 cores
+        step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
+            tests/test_model_gpu.py tests/test_model_varlen.py &
+        warm_kernels 300
+        wait
+        step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
     head)
         step head 90 python3 benchmarks/learner/logprob_head.py --device cuda --tokens 16384,65536 \
             --chunked-tokens "" --vocab 163840 --hidden 2048 --out "$OUT" ;;

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the correctness checks (bf16, fp32) at --lengths, written to checks.json")
     parser.add_argument("--shapes", action="store_true",
                         help="only the shape table: ours through the model's dispatch vs fla, per model shape")
+    parser.add_argument("--shape-index", type=int, action="append",
+                        help="with --shapes: only these rows of SHAPES (repeatable)")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --shapes: run each method's forward and backward once and time nothing: fills "
+                             "Triton's compile cache (one process per shape in parallel uses the machine's cores; "
+                             "the timed run after it then only autotunes)")
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
     parser.add_argument("--render-only", metavar="RESULTS_JSON",
                         help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
@@ -234,16 +240,18 @@ def _packed_lengths(T: int, seed: int = 0) -> list[int]:
     return out
 
 
-def _bench_shapes(have_fla: bool, save) -> list[dict]:
+def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: bool = False) -> list[dict]:
     """Forward and forward+backward ms of ours through ``kernels.gated_delta_rule`` (gate logits, fused, as the
-    model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES; ``save(rows)``
-    after each shape, so a run cut short keeps what it measured."""
+    model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES (or those at
+    ``indices``); ``save(rows)`` after each shape, so a run cut short keeps what it measured. ``warm``: one call
+    of each instead of timings (compiles and autotunes; the rows then carry no times)."""
     import torch
 
     import kernels
 
     rows = []
-    for B, T, H, D, dt, packed in SHAPES:
+    timed = (lambda fn: (fn(), torch.cuda.synchronize(), 0.0)[-1]) if warm else _bench
+    for B, T, H, D, dt, packed in (SHAPES[i] for i in indices) if indices else SHAPES:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
         q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, T, H, D, dtype)]
         cu = None
@@ -261,12 +269,12 @@ def _bench_shapes(have_fla: bool, save) -> list[dict]:
         for name, fwd in methods.items():
             try:
                 with torch.no_grad():
-                    row[f"{name}_fwd_ms"] = _bench(fwd)
-                row[f"{name}_fwd_bwd_ms"] = _bench(lambda: torch.autograd.grad(fwd(), (q, k, v, raw, beta), do))
+                    row[f"{name}_fwd_ms"] = timed(fwd)
+                row[f"{name}_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(fwd(), (q, k, v, raw, beta), do))
             except Exception as e:  # noqa: BLE001 - a failing method is a table entry, not a crashed run
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             torch.cuda.empty_cache()
-        if "fla_fwd_bwd_ms" in row and "ours_fwd_bwd_ms" in row:
+        if "fla_fwd_bwd_ms" in row and "ours_fwd_bwd_ms" in row and not warm:
             row["ours_over_fla_fwd_bwd"] = row["fla_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"]  # throughput ratio
             row["ours_over_fla_fwd"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
         print(json.dumps(row), flush=True)
@@ -517,7 +525,8 @@ def main(args: argparse.Namespace) -> int:
             (out / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
 
-        rows = _bench_shapes(not fla_version.startswith("not"), save)
+        rows = _bench_shapes(not fla_version.startswith("not"), (lambda rows: None) if args.warm else save,
+                             args.shape_index, args.warm)
         return 0 if all("ours_fwd_bwd_ms" in r for r in rows) else 1
     if args.checks_only:
         checks = {}
