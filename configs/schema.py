@@ -137,6 +137,9 @@ class LearnerSection(_Section):
     compile: bool = False
     # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
     offload_activations_tokens: int | None = Field(None, ge=1)
+    # with gradient checkpointing, rows of fewer tokens run their half-layers without it (activations kept, no
+    # recompute in backward; learner/recompute.py); longer rows are checkpointed as before. 0: always checkpoint
+    recompute_min_tokens: int = Field(0, ge=0)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel
     num_ranks: int = Field(1, ge=1)

@@ -20,7 +20,7 @@ import torch
 
 from configs.schema import LearnerSection, LossSection
 from learner import data_parallel as dp
-from learner import offload
+from learner import offload, recompute
 from learner.compile import compile_token_local
 from learner.dist import init_distributed
 from learner.logprobs import token_logprobs
@@ -100,6 +100,11 @@ class Learner:
             module.gradient_checkpointing_enable()
             if cfg.offload_activations_tokens:
                 offload.install(module, cfg.offload_activations_tokens)
+            if cfg.recompute_min_tokens:  # outermost: a row run without checkpointing must bypass the offload
+                if zero_stage == 3 and self.layout.dp_size > 1:
+                    raise ValueError("learner.recompute_min_tokens with zero_stage 3 and data parallelism: replicas "
+                                     "whose rows fall on either side of it would gather different parameters")
+                recompute.install(module, cfg.recompute_min_tokens)
         if cfg.compile:
             compile_token_local(module)
         module.config.use_cache = False

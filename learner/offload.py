@@ -31,13 +31,27 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _is_row(a: Any) -> bool:
+    """A row's hidden states [B, T, D]."""
+    return torch.is_tensor(a) and a.dim() == 3
+
+
+def row_tokens(args: tuple[Any, ...]) -> int:
+    """T of a half-layer's row from its checkpointed arguments: the hidden-state input [B, T, D], or at an
+    attention-residual block start (no stream yet) the first block of the list; 0 if neither is there."""
+    for a in args:
+        for t in a if isinstance(a, list) else [a]:
+            if _is_row(t):
+                return t.shape[1]
+    return 0
+
+
 def offload_checkpoint_inputs(checkpoint_fn: Callable[..., Any], min_tokens: int) -> Callable[..., Any]:
     """``checkpoint_fn`` (``torch.utils.checkpoint.checkpoint``-like, non-reentrant) with the storage of every
     device tensor argument [B, T, D] with T >= ``min_tokens`` held on the host between forward and recompute."""
 
     def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        big = [a for a in args if torch.is_tensor(a) and a.dim() == 3 and a.shape[1] >= min_tokens
-               and a.device != HOST]
+        big = [a for a in args if _is_row(a) and a.shape[1] >= min_tokens and a.device != HOST]
         if not big:
             return checkpoint_fn(fn, *args, **kwargs)
         device = big[0].device
@@ -56,13 +70,19 @@ def offload_checkpoint_inputs(checkpoint_fn: Callable[..., Any], min_tokens: int
     return run
 
 
-def install(module: torch.nn.Module, min_tokens: int) -> int:
-    """Wrap the checkpoint function of every submodule with gradient checkpointing enabled (HF's
-    ``gradient_checkpointing_enable`` sets ``_gradient_checkpointing_func``); returns how many were wrapped."""
+def wrap_checkpoint_fn(module: torch.nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> int:
+    """Replace the checkpoint function of every submodule with gradient checkpointing enabled (HF's
+    ``gradient_checkpointing_enable`` sets ``_gradient_checkpointing_func``) by ``wrap(it)``; returns how many."""
     n = 0
     for m in module.modules():
         fn = getattr(m, "_gradient_checkpointing_func", None)
         if getattr(m, "gradient_checkpointing", False) and fn is not None:
-            m._gradient_checkpointing_func = offload_checkpoint_inputs(fn, min_tokens)
+            m._gradient_checkpointing_func = wrap(fn)
             n += 1
     return n
+
+
+def install(module: torch.nn.Module, min_tokens: int) -> int:
+    """Offload the checkpointed inputs of rows of at least ``min_tokens`` tokens in every checkpointing submodule;
+    returns how many were wrapped."""
+    return wrap_checkpoint_fn(module, lambda fn: offload_checkpoint_inputs(fn, min_tokens))

@@ -62,10 +62,50 @@ KDA_BYTES_PER_TOKEN_HEAD = 6900  # the Triton kernel's fwd+bwd intermediates, K 
 LAYER_SEGMENT = 1 << 16  # model.chunking.TOKEN_CHUNK: longer rows run a KDA layer segment by segment, MLA heads in groups
 EXPERT_CHUNK = 1 << 17  # model.moe.Experts.TOKEN_CHUNK
 HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
+KDA_CHUNK = 64  # kernels.gated_delta_triton.CHUNK
+
+
+def layer_activations(config: MarathonConfig, layer: int, a: int = 2) -> int:
+    """Bytes per token that decoder layer ``layer`` keeps for its backward when its halves are not checkpointed,
+    ``a`` bytes per activation (2 in bf16). An estimate from the layer shapes, of the tensors the eager modules
+    save: each half's input mix (two fp32 copies of every source in bf16, one in fp32) and RMSNorm (two fp32 [D],
+    the normed input); KDA's projections, short convs, fp32 q/k norms, gates and output norm, and the Triton
+    kernel's saved tensors (q, k, v, w, kd, qg, U; the fp32 gate cumsum and two [64] fp32 tiles; one [K, V] state
+    per 64-token chunk: kernels/gated_delta_triton/chunk.py); flash attention's q, k, v, output (S: with the fp32
+    RoPE tables; G: the normed latent, the kv projection, gate and gated output); the MoE's fp32 router input,
+    top-k sorted copies of the input, expert activations and outputs, and the shared expert's; SwiGLU's 4 F.
+    The eager terms are within 1% (bf16; 3% in fp32) of what saved-tensor hooks count on CPU at learner-bench
+    widths; attention and the KDA kernel are not measured (CPU runs other paths), nor the compiled modules
+    (``learner.compile``). Rows over ``LAYER_SEGMENT`` tokens run a KDA layer and the token-local work in
+    recomputed chunks: they keep less."""
+    c, f = config, 4
+    D, H, K, V = c.hidden_size, c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
+    kind = c.layer_kinds[layer]
+    if kind == "L":
+        mixer = ((4 * H * K + 3 * H * V) * (a + f) + (K + V) * a + H * f
+                 + H * ((5 * K + 2 * V + K * V // KDA_CHUNK) * a + (K + 2 * KDA_CHUNK) * f))
+    elif kind == "S":
+        mixer = (3 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * a + 2 * c.head_dim * f
+    else:
+        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        mixer = c.kv_lora_rank * (2 * f + a) + c.mla_num_heads * ((2 * qk + c.qk_nope_head_dim + 5 * v) * a + f)
+    if layer >= c.first_k_dense:
+        Fm, Fs = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+        ffn = D * f + c.num_experts_per_tok * (2 * D + 3 * Fm) * a + (D + 4 * Fs) * a
+    else:
+        ffn = 4 * c.intermediate_size * a
+    sources = (1, 1)  # the mixer's and the FFN's: the stream, or the completed blocks and the partial one
+    if c.attn_residual:
+        blocks = 1 + layer // c.attn_residual_block_size
+        sources = (blocks + (layer % c.attn_residual_block_size > 0), blocks + 1)
+    copies = 2 if a < f else 1  # fp32 copies of each source the mix keeps (``.float()`` copies a bf16 one)
+    glue = sum((copies * n * f if n > 1 else 0) + 2 * f + a for n in sources) * D
+    return glue + mixer + ffn
 
 
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
-                         bf16: bool = True, checkpointing: bool = True, offload: bool = False) -> dict[str, int]:
+                         bf16: bool = True, checkpointing: bool = True, offload: bool = False,
+                         recompute_min_tokens: int = 0) -> dict[str, int]:
     """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
@@ -74,7 +114,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
-             on the device. Without checkpointing, every layer's intermediates (~ the transient below, per layer).
+             on the device. Without checkpointing (or on a row of fewer than ``recompute_min_tokens`` tokens per CP
+             rank: ``learner/recompute.py``), everything each half-layer saves (`layer_activations`).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
              (calibrated on the H200) and kernel inputs q/k/v/gate with their gradients for one segment of at
              most ``LAYER_SEGMENT`` tokens (longer rows run the layer segment by segment), plus the row's input,
@@ -108,7 +149,10 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     # + the gradients of the completed attention-residual blocks, which accumulate through the whole backward
     transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head) + blocks * T * D * a
     halves = 0 if offload else 2 * len(kinds) - blocks
-    saved = (halves + blocks) * T * D * a if checkpointing else len(kinds) * transient
+    if checkpointing and T >= recompute_min_tokens:
+        saved = (halves + blocks) * T * D * a
+    else:
+        saved = T * sum(layer_activations(c, i, a) for i in range(len(kinds)))
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())
@@ -116,21 +160,24 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
 
 
 def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp: int = 1, bf16: bool = True,
-                   checkpointing: bool = True) -> dict[str, int]:
+                   checkpointing: bool = True, recompute_min_tokens: int = 0) -> dict[str, int]:
     """Predicted peak bytes of one rank of a learner group of ``ranks`` ranks (ZeRO shards over all of them,
     data and context parallel alike: ``learner/dist.py``) training on packed rows of ``tokens`` tokens, each cut
     over ``cp`` context-parallel ranks; any HF causal-LM config. Marathon configs use `learner_memory_bytes`;
     other (dense) models the same state formula plus a transformer estimate of activations: saved layer inputs
     [T, D] with checkpointing (else ~10 D + 3 F values per token and layer), one layer's recompute and the
-    chunked LM head as the transient. Keys as `learner_memory_bytes`."""
+    chunked LM head as the transient; rows of fewer than ``recompute_min_tokens`` tokens per CP rank are not
+    checkpointed. Keys as `learner_memory_bytes`."""
     if isinstance(config, MarathonConfig):
-        return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing)
+        return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing,
+                                    recompute_min_tokens=recompute_min_tokens)
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         P = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     T, w = -(-tokens // cp), 2 if bf16 else 4
+    checkpointing = checkpointing and T >= recompute_min_tokens
     D, L = config.hidden_size, config.num_hidden_layers
     F = getattr(config, "intermediate_size", 4 * D)
     out = {

@@ -6,9 +6,10 @@ checkpointing, the token-chunked logprob head) on synthetic episodes: packed epi
 Per case: wall time, tokens/s, model TFLOP/s and MFU against the bf16 matmul peak measured in the same run,
 peak memory (measured and predicted by ``model.memory.learner_memory_bytes``), and time per layer type: each
 kind of layer (L / S / G mixers, the MoE and dense FFNs, the LM head) timed on its own, forward and backward,
-on the same row layout, times its count (forward twice under checkpointing). ``--layouts hybrid,global``
+on the same row layout, times its count (forward twice where the row is checkpointed). ``--layouts hybrid,global``
 repeats everything with every mixer a gated MLA layer (same widths), for as long as it fits and a predicted
-step stays under ``--max-step-s``.
+step stays under ``--max-step-s``. ``--recompute-min-tokens N`` checkpoints only rows of at least N tokens
+(``learner.recompute_min_tokens``, learner/recompute.py).
 
 GPU: ``python3 -m marathon.commands.bench_learner --out $OUT`` (DeepSpeed and pydantic travel as wheels; Ray and
 vLLM are not needed). CPU: ``marathon bench learner --device cpu --preset tiny --tokens 2048 --single 0``.
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-tokens", type=int, default=1048576,
                         help="rows of at least this many tokens keep their checkpointed layer inputs in host memory "
                              "(learner/offload.py; 0: never)")
+    parser.add_argument("--recompute-min-tokens", type=int, default=0,
+                        help="rows of fewer tokens run without gradient checkpointing, no recompute in backward "
+                             "(learner.recompute_min_tokens; learner/recompute.py; 0: every row checkpointed)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -240,6 +244,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32", gradient_checkpointing=True,
                              micro_batch_tokens=args.micro_batch_tokens,
                              offload_activations_tokens=args.offload_tokens or None,
+                             recompute_min_tokens=args.recompute_min_tokens,
                              compile=args.compile,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
@@ -266,9 +271,11 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 save()
                 continue
         row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
-        row["offload"] = bool(args.offload_tokens) and row_tokens >= args.offload_tokens
-        row["predicted_peak_gib"] = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True,
-                                                         offload=row["offload"])["total"] / 2**30
+        row["checkpointed"] = row_tokens >= args.recompute_min_tokens
+        row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
+        predicted = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True, offload=row["offload"],
+                                         recompute_min_tokens=args.recompute_min_tokens)
+        row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -300,7 +307,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
             try:
                 times = _layer_times(learner.module, mbs[0], device)
                 row["layers"] = times
-                row["in_step_estimate_s"] = {k: len(mbs) * v["count"] * (2 * v["fwd_ms"] + v["bwd_ms"]) / 1e3
+                fwd = 2 if row["checkpointed"] else 1
+                row["in_step_estimate_s"] = {k: len(mbs) * v["count"] * (fwd * v["fwd_ms"] + v["bwd_ms"]) / 1e3
                                              for k, v in times.items()}
             except torch.cuda.OutOfMemoryError as e:
                 row["layers"] = {"oom": str(e).split("\n")[0][:600]}
@@ -317,7 +325,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
 
 
 def _case(r: dict) -> str:
-    return r["case"] + (" (offload)" if r.get("offload") else "")
+    return (r["case"] + (" (offload)" if r.get("offload") else "")
+            + (" (no recompute)" if r.get("checkpointed") is False else ""))
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -325,8 +334,9 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"Command: `{meta['command']}`", "",
              f"Preset `{meta['preset']}`: {PRESET_NOTE.get(meta['preset'], '')}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
-             "optimizer step, gradient checkpointing" + (", token-local modules compiled" if meta.get("compile") else "")
-             + ").", "",
+             "optimizer step, gradient checkpointing"
+             + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
+             + (", token-local modules compiled" if meta.get("compile") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
              "decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -343,7 +353,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} | "
                      f"{r.get('first_seconds', float('nan')):.2f} | {phases} |")
     lines += ["", "Time per layer type (isolated layer, fwd / bwd ms on the case's first micro-batch; in-step "
-              "estimate = micro-batches x count x (2 fwd + bwd) under checkpointing):", "",
+              "estimate = micro-batches x count x (2 fwd + bwd), (fwd + bwd) on a row not checkpointed):", "",
               "| layout | case | tokens | " + " | ".join(["L", "S", "G", "MoE", "FFN", "head"]) + " | step s |",
               "|---|---|---|" + "---|" * 7]
     for r in rows:
@@ -375,6 +385,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
+            "recompute_min_tokens": args.recompute_min_tokens,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                              if a not in ("bench", "learner"))}

@@ -1,0 +1,124 @@
+"""learner/recompute.py: rows under ``learner.recompute_min_tokens`` run their half-layers once, without
+checkpointing, with the gradients of full checkpointing; longer rows are checkpointed (and offloaded) as before.
+model/memory.py's estimate of what an un-checkpointed layer keeps."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from configs.schema import LearnerSection
+from learner import offload, recompute
+from learner.packing import Sample
+from model import MarathonConfig, MarathonForCausalLM
+
+
+def _model(checkpointing: bool = True) -> MarathonForCausalLM:
+    torch.manual_seed(0)
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny", sliding_window=16)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _grads(model: MarathonForCausalLM, ids: torch.Tensor, cu: torch.Tensor) -> list[torch.Tensor]:
+    model(ids, cu_seqlens=cu, labels=ids).loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _row(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row of episodes of ``lengths`` tokens: ids [1, T], cu_seqlens [N + 1]."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    return torch.randint(0, 512, (1, sum(lengths)), generator=g), torch.tensor([0, *lengths]).cumsum(0)
+
+
+def test_short_rows_train_as_with_and_without_checkpointing(one_thread):
+    ids, cu = _row([20, 37, 9])  # 66 tokens
+    short = _model()
+    assert recompute.install(short, min_tokens=67) >= 1
+    want_plain, want_ckpt = _grads(_model(checkpointing=False), ids, cu), _grads(_model(), ids, cu)
+    for got, plain, ckpt in zip(_grads(short, ids, cu), want_plain, want_ckpt):
+        torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got, ckpt, rtol=1e-5, atol=1e-7)
+
+
+def _samples(lengths: list[int]) -> list[Sample]:
+    g = torch.Generator().manual_seed(len(lengths))
+    return [Sample(torch.randint(10, 512, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4), [0.0] * n,
+                   advantage=float(i % 2) - 0.5) for i, n in enumerate(lengths)]
+
+
+def test_half_layers_run_once_on_short_rows_and_twice_on_long_ones(tiny_marathon_dir, one_thread):
+    from learner.engine import Learner
+
+    learner = Learner(tiny_marathon_dir, LearnerSection(micro_batch_tokens=256, gradient_checkpointing=True,
+                                                        recompute_min_tokens=64))
+    calls = {"mixer": 0, "ffn": 0}  # pre-hooks: the non-reentrant recompute may stop before a module's output
+    for layer in learner.module.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: calls.__setitem__("mixer", calls["mixer"] + 1))
+        layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("ffn", calls["ffn"] + 1))
+    L = learner.module.config.num_hidden_layers
+    for lengths, runs in (([20, 30], 1), ([40, 60], 2)):  # one packed row of 50, then of 100 tokens
+        calls.update(mixer=0, ffn=0)
+        learner.train_rl(_samples(lengths))
+        assert calls == {"mixer": runs * L, "ffn": runs * L}, (lengths, calls)
+
+
+def test_negative_recompute_min_tokens_is_rejected():
+    with pytest.raises(pydantic.ValidationError, match="recompute_min_tokens"):
+        LearnerSection(recompute_min_tokens=-1)
+    assert LearnerSection().recompute_min_tokens == 0
+
+
+def test_composes_with_offload(monkeypatch, one_thread):
+    """Installed outermost: a row under the recompute threshold but over the offload one is neither checkpointed
+    nor offloaded; a row over both is both."""
+    monkeypatch.setattr(offload, "HOST", torch.device("meta"))  # every CPU tensor counts as a device tensor
+    copies = []
+    real = offload._host_copy
+    monkeypatch.setattr(offload, "_host_copy", lambda t: copies.append(t.shape) or real(t))
+    for lengths in ([30, 18], [40, 56]):  # 48 tokens: offload-sized, not checkpointed; 96: both
+        ids, cu = _row(lengths)
+        both = _model()
+        offload.install(both, min_tokens=32)
+        recompute.install(both, min_tokens=64)
+        copies.clear()
+        got = _grads(both, ids, cu)
+        checkpointed = sum(lengths) >= 64
+        assert (len(copies) >= both.config.num_hidden_layers) if checkpointed else not copies, (lengths, len(copies))
+        for a, b in zip(got, _grads(_model(checkpointing=checkpointed), ids, cu)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_layer_activations_estimate_what_a_layer_saves(one_thread):
+    """model.memory.layer_activations against the tensors autograd saves (sliding-window layers: attention's CPU
+    path saves what flash attention does; the KDA and MLA paths differ off the GPU)."""
+    from model.memory import layer_activations
+
+    torch.manual_seed(0)
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny", layer_layout="S", sliding_window=16))
+    model = model.to(torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}  # storages saved by the current half: bytes
+    saved: dict[int, int] = {}  # layer: bytes
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def counted(fn, *args):  # the checkpoint seam: each half runs plainly under saved-tensor hooks
+        seen.clear()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = fn(*args)
+        saved[fn.__self__.layer_idx] = saved.get(fn.__self__.layer_idx, 0) + sum(seen.values())
+        return out
+
+    model.model._gradient_checkpointing_func = counted
+    ids, cu = _row([100, 156])
+    model.model(input_ids=ids, cu_seqlens=cu)
+    for i, got in saved.items():
+        assert got == pytest.approx(256 * layer_activations(model.config, i, a=2), rel=0.05), i
