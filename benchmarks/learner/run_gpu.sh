@@ -87,10 +87,21 @@ for group in "$@"; do
     steady-compile)  # the 16K / 64K steady state with the token-local modules compiled (learner/compile.py)
         step steady-compile 420 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
             --tokens 16384,65536 --single 0 --max-step-s 120 --out "$OUT/steady-compile" ;;
+    short)  # the short-length checks alone, one process, every launch synchronous (a fault names its kernel)
+        step short 110 env CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "short_sequences" ;;
+    steady-ab)  # 64K eager, then 16K / 64K with learner.compile and rows under 24K not recomputed, in one call
+        step steady-eager 170 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens 65536 --single 0 \
+            --max-step-s 120 --layer-times-max-tokens 0 --out "$OUT/steady-eager"
+        step steady-fast 280 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
+            --recompute-min-tokens 24576 --tokens 16384,65536 --single 0 --max-step-s 120 --out "$OUT/steady-fast" ;;
     global-512k)
         step global-512k 300 python3 -m marathon.commands.bench_learner --layouts global --tokens "" --single 524288 \
             --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --offload-tokens 524288 --out "$OUT/global-512k" ;;
     *) echo "unknown group $group"; exit 2 ;;
     esac
 done
-tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"/tcache.tgz.part-*
+# at most 8 files come back from a call: the logs and results in one archive, the compile cache in parts
+(cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude 'tcache.tgz.part-*' * && \
+    find . -mindepth 1 ! -name results.tgz ! -name device.txt -delete)
+tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"
