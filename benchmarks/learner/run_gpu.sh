@@ -56,13 +56,13 @@ for group in "$@"; do
         step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
     tests)  # the kernel, model and learner checks, 8 pytest workers (each (dtype, head dim) pays a Triton compile)
-        step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
+        step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
             tests/test_model_gpu.py tests/test_model_varlen.py ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300
         step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
     tests-kernels)  # both at once: the tests' workers and the table's compiles share the machine's 16 cores
-        step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
+        step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
             tests/test_model_gpu.py tests/test_model_varlen.py &
         warm_kernels 300
         wait

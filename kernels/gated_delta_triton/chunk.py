@@ -111,11 +111,19 @@ class ChunkGatedDeltaRuleTriton(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
+# A row of fewer chunks than the deepest software pipeline of the sequential state kernels (STATE_CONFIGS'
+# num_stages, at most 3) faulted on the H200 in bf16 (illegal memory access in _state_fwd_kernel at T = 1, 63, 64
+# with 2 heads of 64; Triton 3.6, torch 2.11): such a row is padded with no-op chunks to this many.
+MIN_CHUNKS = 3
+
+
 @functools.lru_cache(maxsize=16)
 def _packed_layout(bounds: tuple[int, ...], device: torch.device):
     """Chunk-aligned layout of a packed row with sequence bounds ``bounds`` (cu_seqlens): sequence i starts at
-    a multiple of CHUNK. Returns (token -> padded position [T] int64, or None when every sequence is already
-    aligned; padded length; chunk -> sequence [NT] int32; chunk flags [NT] int32 (FIRST | LAST))."""
+    a multiple of CHUNK; no-op chunks after the last one bring the row to MIN_CHUNKS (they continue the last
+    sequence, after its final state is stored). Returns (token -> padded position [T] int64, or None when every
+    sequence is already aligned; padded length; chunk -> sequence [NT] int32; chunk flags [NT] int32 (FIRST |
+    LAST))."""
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     chunks = [-(-n // CHUNK) for n in lengths]
     starts = [0]
@@ -124,12 +132,14 @@ def _packed_layout(bounds: tuple[int, ...], device: torch.device):
     dst = None
     if any(n % CHUNK for n in lengths[:-1]):  # an unaligned last sequence is only padded at the end
         dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    tail = max(0, MIN_CHUNKS - sum(chunks))
     seq = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(chunks))
+    seq = torch.cat([seq, seq.new_full((tail,), len(lengths) - 1)])
     first = torch.tensor(starts[:-1]) // CHUNK
     flags = torch.zeros(len(seq), dtype=torch.int32)
     flags[first] |= FIRST.value
     flags[first + torch.tensor(chunks) - 1] |= LAST.value
-    return dst, starts[-1], seq.to(device), flags.to(device)
+    return dst, starts[-1] + tail * CHUNK, seq.to(device), flags.to(device)
 
 
 def _place(x: torch.Tensor, dst: torch.Tensor | None, length: int, fill: float = 0.0) -> torch.Tensor:
@@ -162,7 +172,7 @@ def chunk_gated_delta_rule_triton(
     Any length works: the kernels only see whole chunks. A sequence is placed at a chunk boundary and padded
     to whole chunks with no-op tokens (k = v = q = 0, beta = 0, g = 0, which leave the state untouched), so a
     packed row costs at most CHUNK - 1 extra tokens per sequence and no copy at all when every sequence
-    already fills whole chunks.
+    already fills whole chunks; a row shorter than MIN_CHUNKS chunks gets no-op chunks up to that many.
     Returns (o [B, T, H, V] in v's dtype, final state [B or N, H, K, V] fp32 or None).
     """
     B, T, H, K = q.shape
