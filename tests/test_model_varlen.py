@@ -163,7 +163,8 @@ def test_prefill_longer_than_the_window_then_decode_matches_full_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("d,dv,window", [(64, 64, None), (64, 64, 33), (192, 128, None), (128, 128, 1000)])
 def test_cuda_varlen_flash_matches_dense_reference(d, dv, window):
-    """bf16 through FlashAttention varlen (when torch has it) against the fp64 dense reference."""
+    """bf16 against the fp64 dense reference: sliding windows through FlashAttention varlen (when torch has it),
+    global layers through SDPA per sequence."""
     cu = torch.tensor([0, 1, 63, 128, 1128, 5225])
     q, k, v = (x.detach().cuda() for x in _qkv(5225, d=d, dv=dv, Hq=8, Hkv=2))
     ref = dense_reference(q, k, v, 0, window, cu)
@@ -209,7 +210,7 @@ def _stand_in_varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_si
 
 
 @pytest.mark.parametrize("kernel", [(_stand_in_varlen, True), (_stand_in_varlen_2_11, False)], ids=["2.12", "2.11"])
-@pytest.mark.parametrize("d,dv,window,cu", [(24, 16, None, [0, 1, 40, 300]), (16, 16, 9, [0, 300]),
+@pytest.mark.parametrize("d,dv,window,cu", [(24, 16, 50, [0, 1, 40, 300]), (16, 16, 9, [0, 300]),
                                             (12, 20, 64, [0, 5, 300]), (16, 16, 9, None)])
 def test_varlen_plumbing_against_a_stand_in_kernel(monkeypatch, kernel, d, dv, window, cu):
     """The CUDA varlen path's token layout, head-dim padding, scale, window and GQA arguments (a flag from torch
@@ -223,3 +224,18 @@ def test_varlen_plumbing_against_a_stand_in_kernel(monkeypatch, kernel, d, dv, w
     want = (lambda q, k, v: dense_reference(q, k, v, 0, window, cu_t)) if cu is not None else \
         (lambda q, k, v: torch.cat([dense_reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], 0, window) for i in range(B)]))
     _check(lambda q, k, v: attend(q, k, v, 0, window, cu_t), want, inputs, 1e-10)
+
+
+@pytest.mark.parametrize("cu", [[0, 1, 40, 300], None])
+def test_global_layers_stay_on_sdpa_per_sequence(monkeypatch, cu):
+    """Global (MLA) layers attend one sequence at a time through SDPA even where varlen FlashAttention applies:
+    on the H200 that path was the faster one for them (model/attention/sdpa.py)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a global layer went through varlen FlashAttention")
+
+    monkeypatch.setattr(sdpa, "_VARLEN", (refuse, True))
+    monkeypatch.setattr(sdpa, "_flash_varlen_ok", lambda q, k, v: True)
+    cu_t = None if cu is None else torch.tensor(cu)
+    q, k, v = (x.detach() for x in _qkv(300, d=24, dv=16, B=1))
+    torch.testing.assert_close(attend(q, k, v, 0, None, cu_t), dense_reference(q, k, v, 0, None, cu_t).to(q.dtype),
+                               rtol=1e-5, atol=1e-5)

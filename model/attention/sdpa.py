@@ -2,13 +2,17 @@
 padding, with no [T, T] anything on the training path (memory linear in T).
 
 Self-attention over whole sequences (training, prefill: no past, no padding mask), per device:
-- CUDA, fp16/bf16: FlashAttention's varlen kernel (``torch.nn.attention.varlen``) over the packed row (or the
-  B rows of a batch laid end to end) in one call, the window as its left window size; head dims padded with
-  zeros to a common multiple of 8 where q/k and v differ (MLA's 192 / 128).
-- elsewhere (CPU, fp32 CUDA, or a torch before 2.10's windowed varlen): one sequence at a time; a global layer
-  through SDPA with ``is_causal=True`` (flash kernels: O(T) memory); a sliding window of W through query blocks
-  (`_window_blocks`): each block of Bq queries attends to the Bq + W - 1 keys it can see with a small
-  additive mask, O(T (Bq + W)) work and an O(Bq (Bq + W)) mask per block, shared by all full interior blocks.
+- a sliding window on CUDA in fp16/bf16: FlashAttention's varlen kernel (``torch.nn.attention.varlen``) over the
+  packed row (or the B rows of a batch laid end to end) in one call, the window as its left window size; head
+  dims padded with zeros to a common multiple of 8 where q/k and v differ.
+- a global layer: one sequence at a time through SDPA with ``is_causal=True`` (cuDNN's or FlashAttention's fused
+  kernels on CUDA: O(T) memory). On the H200 at 64K tokens the MLA layers' forward / backward took 13.7 / 39.3 ms
+  that way and 20.7 / 52.7 ms through varlen FlashAttention (v padded from 128 to MLA's q/k head dim 192; that
+  run also had ``learner.compile``): benchmarks/learner/h200/README.md.
+- a sliding window elsewhere (CPU, fp32 CUDA, a torch before 2.10's windowed varlen): one sequence at a time
+  through query blocks (`_window_blocks`): each block of Bq queries attends to the Bq + W - 1 keys it can see with
+  a small additive mask, O(T (Bq + W)) work and an O(Bq (Bq + W)) mask per block, shared by all full interior
+  blocks.
 Decoding and padded generation batches (``past`` > 0 with a global layer, ``key_mask``) build the explicit
 [q_len, kv_len] mask of `attention_mask`: q_len is the step's new tokens there.
 """
@@ -71,14 +75,14 @@ def attend(
         if past or key_mask is not None or S != T:
             raise ValueError("packed rows (cu_seqlens) attend within themselves: no past, no key_mask")
         bounds = [int(b) for b in cu_seqlens.tolist()]
-        if _flash_varlen_ok(q, k, v):
+        if window is not None and _flash_varlen_ok(q, k, v):
             return _flash_varlen(q, k, v, bounds, window)
         if len(bounds) == 2:
             return _self_attention(q, k, v, window)
         return torch.cat([_self_attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], window)
                           for lo, hi in zip(bounds[:-1], bounds[1:])], dim=2)
     if key_mask is None and past == 0 and S == T and T > 1:  # whole sequences: training, prefill
-        if _flash_varlen_ok(q, k, v):
+        if window is not None and _flash_varlen_ok(q, k, v):
             return _flash_varlen(q, k, v, [i * T for i in range(q.shape[0] + 1)], window)
         return _self_attention(q, k, v, window)
     if key_mask is None and window is not None and T > 1 and window < T:  # a window over a carried prefix
