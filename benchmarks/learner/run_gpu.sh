@@ -9,6 +9,8 @@
 #   bash benchmarks/learner/run_gpu.sh probe-1m single # per half-layer memory at 1M; one update of a 1M episode
 #   bash benchmarks/learner/run_gpu.sh steady global-512k  # 16K/64K steady state + 256K single, both layouts; all-MLA 512K
 #   bash benchmarks/learner/run_gpu.sh steady-compile  # 16K/64K steady state, token-local modules compiled
+#   bash benchmarks/learner/run_gpu.sh steady-ab short  # 64K eager then compiled; the short-length kernel checks
+#   bash benchmarks/learner/run_gpu.sh steady-norecompute  # 64K compiled without gradient checkpointing
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -95,6 +97,9 @@ for group in "$@"; do
             --max-step-s 120 --layer-times-max-tokens 0 --out "$OUT/steady-eager"
         step steady-fast 280 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
             --recompute-min-tokens 24576 --tokens 16384,65536 --single 0 --max-step-s 120 --out "$OUT/steady-fast" ;;
+    steady-norecompute)  # a 64K row compiled and not recomputed: does it fit in the 139 GiB, and how fast is it
+        step steady-norecompute 300 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
+            --recompute-min-tokens 131072 --tokens 65536 --single 0 --max-step-s 120 --out "$OUT/steady-norecompute" ;;
     global-512k)
         step global-512k 300 python3 -m marathon.commands.bench_learner --layouts global --tokens "" --single 524288 \
             --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --offload-tokens 524288 --out "$OUT/global-512k" ;;
