@@ -26,8 +26,18 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-PRESET_NOTE = {"learner-bench": "hidden 2048, 12 layers LLSG (6 KDA x 16 heads of 128, 3 sliding GQA window 4096, "
-                                 "3 gated MLA), 32 routed experts top-4 + 1 shared (width 512), vocab 131072"}
+
+def preset_note(preset: str) -> str:
+    """The preset's widths in one line, read from its config: hidden, layers, heads, experts, vocab."""
+    from model.config import MarathonConfig
+
+    c = MarathonConfig.from_preset(preset)
+    kinds = c.layer_kinds
+    return (f"hidden {c.hidden_size}, {len(kinds)} layers {c.layer_layout} ({kinds.count('L')} KDA x "
+            f"{c.linear_num_heads} heads of {c.linear_head_k_dim}, {kinds.count('S')} sliding GQA window "
+            f"{c.sliding_window}, {kinds.count('G')} gated MLA), {c.n_routed_experts} routed experts top-"
+            f"{c.num_experts_per_tok} + {c.n_shared_experts} shared (width {c.moe_intermediate_size}), "
+            f"vocab {c.vocab_size}")
 
 
 def register(subparsers) -> None:
@@ -116,9 +126,10 @@ def model_flops(config, lengths: list[int], loss_tokens: int, activated_non_embe
     return flops
 
 
-def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
+def _layer_times(model, mb, device, compiled: bool = False) -> dict[str, dict[str, float]]:
     """Forward and backward ms of one layer of each kind on this micro-batch's row layout, isolated (on copies,
-    so no gradient reaches the engine's parameters)."""
+    so no gradient reaches the engine's parameters); ``compiled``: the head's blocks as ``learner.compile`` runs
+    them (the layers' copies carry their compiled methods already)."""
     import copy
 
     import torch
@@ -172,7 +183,7 @@ def _layer_times(model, mb, device) -> dict[str, dict[str, float]]:
     h = torch.randn(rows, D, device=device, dtype=dtype) * 0.5
     targets = mb.targets.to(device).flatten()[(mb.loss_mask.to(device) != 0).flatten()]
     head = copy.deepcopy(model.get_output_embeddings())
-    out["head"] = {**timed(lambda z: head_logprobs(head, z, targets), h), "count": 1}
+    out["head"] = {**timed(lambda z: head_logprobs(head, z, targets, compiled=compiled), h), "count": 1}
     return out
 
 
@@ -305,7 +316,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                    micro_batches=len(mbs))
         if row_tokens <= args.layer_times_max_tokens:
             try:
-                times = _layer_times(learner.module, mbs[0], device)
+                times = _layer_times(learner.module, mbs[0], device, args.compile)
                 row["layers"] = times
                 fwd = 2 if row["checkpointed"] else 1
                 row["in_step_estimate_s"] = {k: len(mbs) * v["count"] * (fwd * v["fwd_ms"] + v["bwd_ms"]) / 1e3
@@ -332,7 +343,7 @@ def _case(r: dict) -> str:
 def _markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# `marathon bench learner` ({meta['device']})", "",
              f"Command: `{meta['command']}`", "",
-             f"Preset `{meta['preset']}`: {PRESET_NOTE.get(meta['preset'], '')}. bf16 matmul peak measured in the "
+             f"Preset `{meta['preset']}`: {preset_note(meta['preset'])}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
              "optimizer step, gradient checkpointing"
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
