@@ -65,7 +65,7 @@ HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
 KDA_CHUNK = 64  # kernels.gated_delta_triton.CHUNK
 
 
-def layer_activations(config: MarathonConfig, layer: int, a: int = 2) -> int:
+def layer_activations(config: MarathonConfig, layer: int, a: int = 2, compiled: bool = False) -> int:
     """Bytes per token that decoder layer ``layer`` keeps for its backward when its halves are not checkpointed,
     ``a`` bytes per activation (2 in bf16). An estimate from the layer shapes, of the tensors the eager modules
     save: each half's input mix (two fp32 copies of every source in bf16, one in fp32) and RMSNorm (two fp32 [D],
@@ -74,38 +74,61 @@ def layer_activations(config: MarathonConfig, layer: int, a: int = 2) -> int:
     per 64-token chunk: kernels/gated_delta_triton/chunk.py); flash attention's q, k, v, output (S: with the fp32
     RoPE tables; G: the normed latent, the kv projection, gate and gated output); the MoE's fp32 router input,
     top-k sorted copies of the input, expert activations and outputs, and the shared expert's; SwiGLU's 4 F.
-    The eager terms are within 1% (bf16; 3% in fp32) of what saved-tensor hooks count on CPU at learner-bench
-    widths; attention and the KDA kernel are not measured (CPU runs other paths), nor the compiled modules
-    (``learner.compile``). Rows over ``LAYER_SEGMENT`` tokens run a KDA layer and the token-local work in
-    recomputed chunks: they keep less."""
+    Rows over ``LAYER_SEGMENT`` tokens run a KDA layer and the token-local work in recomputed chunks: they keep
+    less.
+
+    ``compiled``: the token-local modules under ``learner.compile`` (``learner/compile.py``), whose AOTAutograd
+    graphs save their bf16 inputs and recompute the fp32 elementwise work in backward: a half's glue keeps its
+    new input (the previous half's output, or the embedding), the mix output when it mixes n > 1 sources, the
+    normed input and 3 fp32 statistics per source (none of the fp32 copies); KDA keeps its projections and
+    short-conv inputs (4 H K + 3 H V) in bf16 only, with one fp32 [H, K] (the gate logits); S drops the RoPE
+    tables, G keeps the latent norm's bf16 input and output (not its fp32 copies); SwiGLU 3 F (the SiLU is
+    recomputed). The kernels' (KDA, flash attention) and the experts' terms are the same in both.
+
+    Measured on CPU with saved-tensor hooks (they see what compiled functions save), bf16, ``learner-bench``
+    widths (12 layers, vocab cut to 1024): bytes per token from rows of 768 and 256 tokens, each saved storage
+    counted once if still alive after the forward, the CPU paths of the KDA kernel and attention left out (the
+    terms above stand for those kernels). Eager -> compiled, KB per token and layer: L 193-321 -> 83-123 (the
+    eager glue grows with the attention-residual sources), S 173-239 -> 89, G 186-251 -> 100; with the kernel
+    terms 3.33 -> 1.69 MB per token over the 12 layers. These terms are within 0.3% of both (the router's fp32
+    statistics, 0.1%, are not modelled; the eager terms were within 3% in fp32)."""
     c, f = config, 4
     D, H, K, V = c.hidden_size, c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
     kind = c.layer_kinds[layer]
     if kind == "L":
-        mixer = ((4 * H * K + 3 * H * V) * (a + f) + (K + V) * a + H * f
-                 + H * ((5 * K + 2 * V + K * V // KDA_CHUNK) * a + (K + 2 * KDA_CHUNK) * f))
+        kernel = H * ((5 * K + 2 * V + K * V // KDA_CHUNK) * a + (K + 2 * KDA_CHUNK) * f)
+        if compiled:
+            mixer = (4 * H * K + 3 * H * V) * a + H * K * f + (K + V) * a + 4 * H * f + kernel
+        else:
+            mixer = (4 * H * K + 3 * H * V) * (a + f) + (K + V) * a + H * f + kernel
     elif kind == "S":
-        mixer = (3 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * a + 2 * c.head_dim * f
+        rope = 0 if compiled else 2 * c.head_dim * f
+        mixer = (3 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * a + rope
     else:
-        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-        mixer = c.kv_lora_rank * (2 * f + a) + c.mla_num_heads * ((2 * qk + c.qk_nope_head_dim + 5 * v) * a + f)
+        qk, v, r = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        latent = (2 * r + c.qk_rope_head_dim) * a if compiled else r * (2 * f + a)
+        mixer = latent + c.mla_num_heads * ((2 * qk + c.qk_nope_head_dim + 5 * v) * a + f)
+    swiglu = 3 if compiled else 4  # SwiGLU's activations kept, in F
     if layer >= c.first_k_dense:
         Fm, Fs = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-        ffn = D * f + c.num_experts_per_tok * (2 * D + 3 * Fm) * a + (D + 4 * Fs) * a
+        ffn = D * f + c.num_experts_per_tok * (2 * D + 3 * Fm) * a + (D + swiglu * Fs) * a
     else:
-        ffn = 4 * c.intermediate_size * a
+        ffn = swiglu * c.intermediate_size * a
     sources = (1, 1)  # the mixer's and the FFN's: the stream, or the completed blocks and the partial one
     if c.attn_residual:
         blocks = 1 + layer // c.attn_residual_block_size
         sources = (blocks + (layer % c.attn_residual_block_size > 0), blocks + 1)
-    copies = 2 if a < f else 1  # fp32 copies of each source the mix keeps (``.float()`` copies a bf16 one)
-    glue = sum((copies * n * f if n > 1 else 0) + 2 * f + a for n in sources) * D
+    if compiled:
+        glue = sum((2 + (n > 1)) * D * a + (1 + 3 * n * (n > 1)) * f for n in sources)
+    else:
+        copies = 2 if a < f else 1  # fp32 copies of each source the mix keeps (``.float()`` copies a bf16 one)
+        glue = sum((copies * n * f if n > 1 else 0) + 2 * f + a for n in sources) * D
     return glue + mixer + ffn
 
 
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
                          bf16: bool = True, checkpointing: bool = True, offload: bool = False,
-                         recompute_min_tokens: int = 0) -> dict[str, int]:
+                         recompute_min_tokens: int = 0, compiled: bool = False) -> dict[str, int]:
     """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
@@ -115,7 +138,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
              on the device. Without checkpointing (or on a row of fewer than ``recompute_min_tokens`` tokens per CP
-             rank: ``learner/recompute.py``), everything each half-layer saves (`layer_activations`).
+             rank: ``learner/recompute.py``), everything each half-layer saves (`layer_activations`; ``compiled``: under
+             ``learner.compile``).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
              (calibrated on the H200) and kernel inputs q/k/v/gate with their gradients for one segment of at
              most ``LAYER_SEGMENT`` tokens (longer rows run the layer segment by segment), plus the row's input,
@@ -152,7 +176,7 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     if checkpointing and T >= recompute_min_tokens:
         saved = (halves + blocks) * T * D * a
     else:
-        saved = T * sum(layer_activations(c, i, a) for i in range(len(kinds)))
+        saved = T * sum(layer_activations(c, i, a, compiled) for i in range(len(kinds)))
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())
@@ -160,17 +184,17 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
 
 
 def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp: int = 1, bf16: bool = True,
-                   checkpointing: bool = True, recompute_min_tokens: int = 0) -> dict[str, int]:
+                   checkpointing: bool = True, recompute_min_tokens: int = 0, compiled: bool = False) -> dict[str, int]:
     """Predicted peak bytes of one rank of a learner group of ``ranks`` ranks (ZeRO shards over all of them,
     data and context parallel alike: ``learner/dist.py``) training on packed rows of ``tokens`` tokens, each cut
     over ``cp`` context-parallel ranks; any HF causal-LM config. Marathon configs use `learner_memory_bytes`;
     other (dense) models the same state formula plus a transformer estimate of activations: saved layer inputs
     [T, D] with checkpointing (else ~10 D + 3 F values per token and layer), one layer's recompute and the
     chunked LM head as the transient; rows of fewer than ``recompute_min_tokens`` tokens per CP rank are not
-    checkpointed. Keys as `learner_memory_bytes`."""
+    checkpointed; ``compiled`` (``learner.compile``) applies to Marathon configs. Keys as `learner_memory_bytes`."""
     if isinstance(config, MarathonConfig):
         return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing,
-                                    recompute_min_tokens=recompute_min_tokens)
+                                    recompute_min_tokens=recompute_min_tokens, compiled=compiled)
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -285,7 +285,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         row["checkpointed"] = row_tokens >= args.recompute_min_tokens
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
         predicted = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True, offload=row["offload"],
-                                         recompute_min_tokens=args.recompute_min_tokens)
+                                         recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
