@@ -15,8 +15,10 @@
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
 # Triton's and Inductor's compile caches are kept in .tcache/ (carry it to the next call: `tcache.tgz` comes back in $OUT).
-# Each step has its own time limit and writes its log and results under $OUT (or ./gpu-out).
+# Each step has its own time limit, clipped to what is left of BUDGET_S (default 560 s, under the device tool's
+# 600 s per command, the rest for packing what comes back), and writes its log and results under $OUT (or ./gpu-out).
 set -u
+BUDGET_S=${BUDGET_S:-560}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -28,8 +30,14 @@ export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUC
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
+left() {  # left LIMIT: LIMIT clipped to the seconds left of BUDGET_S
+    local rest=$((BUDGET_S - SECONDS))
+    echo $(($1 < rest ? $1 : rest))
+}
+
 step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2; shift 2
+    local name=$1 asked=$2 limit; limit=$(left "$2"); shift 2
+    if ((limit < asked && limit < 20)); then echo "=== $name: skipped, ${limit}s left of the ${BUDGET_S}s budget"; return; fi
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
     timeout --signal=INT --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -38,11 +46,12 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape, all at once
-    local i n t0=$SECONDS
+    local i n t0=$SECONDS limit
+    limit=$(left "$1")
     n=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(len(SHAPES))")
-    echo "=== warm kernels: $n shapes in parallel (limit ${1}s)"
+    echo "=== warm kernels: $n shapes in parallel (limit ${limit}s)"
     for ((i = 0; i < n; i++)); do  # autotune results stay uncached here: they were timed on a shared GPU
-        env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$1" python3 -m marathon.commands.bench_kernels \
+        env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
             --shapes --warm --shape-index "$i" --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i.log" 2>&1 &
     done
     wait
