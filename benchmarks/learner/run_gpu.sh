@@ -46,16 +46,26 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape, all at once
-    local i n t0=$SECONDS limit
+    local i n t0=$SECONDS limit pids=()
     limit=$(left "$1")
     n=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(len(SHAPES))")
     echo "=== warm kernels: $n shapes in parallel (limit ${limit}s)"
     for ((i = 0; i < n; i++)); do  # autotune results stay uncached here: they were timed on a shared GPU
         env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
             --shapes --warm --shape-index "$i" --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i.log" 2>&1 &
+        pids+=($!)
     done
-    wait
+    wait "${pids[@]}"  # its own processes only (tests-kernels runs the tests beside them)
     echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 3 "$OUT"/kernels-warm-*.log
+}
+
+gpu_tests() {
+    step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
+        tests/test_model_gpu.py tests/test_model_varlen.py
+}
+
+kernel_table() {
+    step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels"
 }
 
 for group in "$@"; do
@@ -67,17 +77,15 @@ for group in "$@"; do
         step learner 500 python3 -m marathon.commands.bench_learner --layouts hybrid \
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
     tests)  # the kernel, model and learner checks, 8 pytest workers (each (dtype, head dim) pays a Triton compile)
-        step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
-            tests/test_model_gpu.py tests/test_model_varlen.py ;;
+        gpu_tests ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300
-        step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
+        kernel_table ;;
     tests-kernels)  # both at once: the tests' workers and the table's compiles share the machine's 16 cores
-        step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
-            tests/test_model_gpu.py tests/test_model_varlen.py &
+        gpu_tests &
         warm_kernels 300
         wait
-        step kernels 240 python3 -m marathon.commands.bench_kernels --shapes --out "$OUT/kernels" ;;
+        kernel_table ;;
     head)
         step head 90 python3 benchmarks/learner/logprob_head.py --device cuda --tokens 16384,65536 \
             --chunked-tokens "" --vocab 163840 --hidden 2048 --out "$OUT" ;;

@@ -244,13 +244,13 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
     """Forward and forward+backward ms of ours through ``kernels.gated_delta_rule`` (gate logits, fused, as the
     model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES (or those at
     ``indices``); ``save(rows)`` after each shape, so a run cut short keeps what it measured. ``warm``: one call
-    of each instead of timings (compiles and autotunes; the rows then carry no times)."""
+    of each instead of timings (compiles and autotunes; the rows' times are None)."""
     import torch
 
     import kernels
 
     rows = []
-    timed = (lambda fn: (fn(), torch.cuda.synchronize(), 0.0)[-1]) if warm else _bench
+    timed = (lambda fn: (fn(), torch.cuda.synchronize(), None)[-1]) if warm else _bench
     for B, T, H, D, dt, packed in (SHAPES[i] for i in indices) if indices else SHAPES:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
         q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, T, H, D, dtype)]
