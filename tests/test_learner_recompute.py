@@ -152,7 +152,8 @@ def test_compiled_layer_activations_estimate_what_a_compiled_layer_saves(one_thr
 
     def per_layer(lengths: list[int]) -> dict[int, int]:
         saved.clear()
-        out = model.model(input_ids=_row(lengths)[0], cu_seqlens=_row(lengths)[1]).last_hidden_state
+        ids, cu = _row(lengths)
+        out = model.model(input_ids=ids, cu_seqlens=cu).last_hidden_state
         storages: dict[int, tuple[int, int]] = {}  # data_ptr: (layer, bytes) of the first half to save it
         for ref, i in saved:
             if (t := ref()) is not None and t.untyped_storage().data_ptr() not in params:
