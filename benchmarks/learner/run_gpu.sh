@@ -45,18 +45,20 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 25 "$OUT/$name.log"
 }
 
-warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape, all at once
-    local i n t0=$SECONDS limit pids=()
+warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape and method, all at once
+    local i m n t0=$SECONDS limit pids=()
     limit=$(left "$1")
     n=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(len(SHAPES))")
-    echo "=== warm kernels: $n shapes in parallel (limit ${limit}s)"
+    echo "=== warm kernels: $n shapes x (ours, fla) in parallel (limit ${limit}s)"
     for ((i = 0; i < n; i++)); do  # autotune results stay uncached here: they were timed on a shared GPU
-        env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
-            --shapes --warm --shape-index "$i" --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i.log" 2>&1 &
-        pids+=($!)
+        for m in ours fla; do
+            env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
+                --shapes --warm --shape-index "$i" --method $m --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-$m.log" 2>&1 &
+            pids+=($!)
+        done
     done
     wait "${pids[@]}"  # its own processes only (tests-kernels runs the tests beside them)
-    echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 3 "$OUT"/kernels-warm-*.log
+    echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 2 "$OUT"/kernels-warm-*.log
 }
 
 gpu_tests() {
@@ -78,6 +80,10 @@ for group in "$@"; do
             --tokens 16384,65536,262144,1048576 --single 1048576 --max-step-s 400 --out "$OUT/learner" ;;
     tests)  # the kernel, model and learner checks, 8 pytest workers (each (dtype, head dim) pays a Triton compile)
         gpu_tests ;;
+    warm)  # the table's compiles and the GPU tests side by side: correctness only, nothing here is timed
+        gpu_tests &
+        warm_kernels 520
+        wait ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300
         kernel_table ;;
@@ -126,4 +132,14 @@ done
 # at most 8 files come back from a call: the logs and results in one archive, the compile cache in parts
 (cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude 'tcache.tgz.part-*' * && \
     find . -mindepth 1 ! -name results.tgz ! -name device.txt -delete)
+python3 - <<'EOF'  # the compile cache without its intermediate IR (a cache hit loads the json and the cubin)
+import json, pathlib
+for grp in pathlib.Path(".tcache/triton").glob("*/__grp__*.json"):
+    data = json.loads(grp.read_text())
+    kids = data.get("child_paths", {})
+    for name in [n for n in kids if pathlib.Path(n).suffix in (".llir", ".ttir", ".ttgir", ".source")]:
+        (grp.parent / name).unlink(missing_ok=True)
+        del kids[name]
+    grp.write_text(json.dumps(data))
+EOF
 tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-" && ls -la "$OUT"

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --shapes: run each method's forward and backward once and time nothing: fills "
                              "Triton's compile cache (one process per shape in parallel uses the machine's cores; "
                              "the timed run after it then only autotunes)")
+    parser.add_argument("--method", choices=("ours", "fla"), action="append",
+                        help="with --shapes: only this method (repeatable; default both). With --warm, one process "
+                             "per shape and method compiles on twice the cores")
     parser.add_argument("--out", default="benchmarks/kernels", help="output folder")
     parser.add_argument("--render-only", metavar="RESULTS_JSON",
                         help="re-render results.md/csv/png from a saved results.json (no GPU needed)")
@@ -240,11 +243,12 @@ def _packed_lengths(T: int, seed: int = 0) -> list[int]:
     return out
 
 
-def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: bool = False) -> list[dict]:
+def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: bool = False,
+                  only: list[str] | None = None) -> list[dict]:
     """Forward and forward+backward ms of ours through ``kernels.gated_delta_rule`` (gate logits, fused, as the
     model calls it) and of fla's ``chunk_kda`` with the same bounded gate, on each shape of SHAPES (or those at
     ``indices``); ``save(rows)`` after each shape, so a run cut short keeps what it measured. ``warm``: one call
-    of each instead of timings (compiles and autotunes; the rows' times are None)."""
+    of each instead of timings (compiles and autotunes; the rows' times are None); ``only``: these methods."""
     import torch
 
     import kernels
@@ -267,6 +271,8 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
                                                lower_bound=-5.0, cu_seqlens=cu)[0]
         row = {"B": B, "T": T, "H": H, "D": D, "dtype": dt, "packed": 0 if cu is None else len(cu) - 1}
         for name, fwd in methods.items():
+            if only and name not in only:
+                continue
             try:
                 with torch.no_grad():
                     row[f"{name}_fwd_ms"] = timed(fwd)
@@ -526,8 +532,8 @@ def main(args: argparse.Namespace) -> int:
             (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
 
         rows = _bench_shapes(not fla_version.startswith("not"), (lambda rows: None) if args.warm else save,
-                             args.shape_index, args.warm)
-        return 0 if all("ours_fwd_bwd_ms" in r for r in rows) else 1
+                             args.shape_index, args.warm, args.method)
+        return 0 if all(f"{m}_fwd_bwd_ms" in r for r in rows for m in args.method or ["ours"]) else 1
     if args.checks_only:
         checks = {}
         _run_checks(args, lengths, checks, lambda: (out / "checks.json").write_text(
