@@ -11,6 +11,9 @@
 #   bash benchmarks/learner/run_gpu.sh steady-compile  # 16K/64K steady state, token-local modules compiled
 #   bash benchmarks/learner/run_gpu.sh steady-ab short  # 64K eager then compiled; the short-length kernel checks
 #   bash benchmarks/learner/run_gpu.sh steady-norecompute  # 64K compiled without gradient checkpointing
+#   bash benchmarks/learner/run_gpu.sh warm kernels    # tests beside the table's compiles; then the table vs fla
+#   TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes  # kernel tests; ours on 4 rows
+#   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -61,9 +64,23 @@ warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one
     echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 2 "$OUT"/kernels-warm-*.log
 }
 
-gpu_tests() {
-    step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels_gpu.py \
-        tests/test_model_gpu.py tests/test_model_varlen.py
+gpu_tests() {  # TESTS_FILES: a subset of the three files
+    step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+        ${TESTS_FILES:-tests/test_kernels_gpu.py tests/test_model_gpu.py tests/test_model_varlen.py}
+}
+
+table_ours() {  # table_ours SECONDS: ours alone on the rows SHAPE_IDX of the table, compiled in parallel, then timed
+    local i t0=$SECONDS limit pids=() idx=() rows=${SHAPE_IDX:-2 3 6 7}
+    limit=$(left "$1")
+    for i in $rows; do
+        timeout --signal=INT "$limit" env -u TRITON_CACHE_AUTOTUNING python3 -m marathon.commands.bench_kernels \
+            --shapes --warm --shape-index "$i" --method ours --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-ours.log" 2>&1 &
+        pids+=($!); idx+=(--shape-index "$i")
+    done
+    wait "${pids[@]}"
+    echo "=== warm ours ($rows): done after $((SECONDS - t0))s"
+    step kernels-ours 120 python3 -m marathon.commands.bench_kernels --shapes "${idx[@]}" --method ours \
+        --out "$OUT/kernels-ours"
 }
 
 kernel_table() {
@@ -84,6 +101,15 @@ for group in "$@"; do
         gpu_tests &
         warm_kernels 520
         wait ;;
+    fixes)  # ours on the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests
+        gpu_tests &
+        table_ours 300
+        wait ;;
+    steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS
+        for n in ${RECOMPUTE_LAYERS:-3}; do
+            step steady-partial-$n 150 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
+                --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 --out "$OUT/steady-partial-$n"
+        done ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300
         kernel_table ;;

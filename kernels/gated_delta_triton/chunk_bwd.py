@@ -44,14 +44,14 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         t0 = i_t * BT
-        if VARLEN:
+        if VARLEN:  # branch-free, as in _state_fwd_kernel
             f_t = tl.load(chunk_flags + i_t)
             p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            if (f_t & LAST) != 0:
-                if HAS_DHT:
-                    b_dh = tl.load(dht + p_n)
-                else:
-                    b_dh = tl.zeros([K, BV], dtype=tl.float32)
+            last = (o_s * 0 + (f_t & LAST)) != 0  # [K, BV]: the flag as a mask of the state's shape
+            if HAS_DHT:
+                b_dh = tl.where(last, tl.load(dht + p_n, mask=last, other=0.0), b_dh)
+            else:
+                b_dh = tl.where(last, 0.0, b_dh)
         tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -66,8 +66,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
         b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
         if VARLEN and STORE_DH0:
-            if (f_t & FIRST) != 0:
-                tl.store(dh0 + p_n, b_dh)
+            tl.store(dh0 + p_n, b_dh, mask=(o_s * 0 + (f_t & FIRST)) != 0)
     if STORE_DH0 and not VARLEN:
         tl.store(dh0 + i_bh * K * V + o_s, b_dh)
 

@@ -158,14 +158,14 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
         b_h = tl.load(h0 + i_bh * K * V + o_s)
     for i_t in range(NT):
         t0 = i_t * BT
-        if VARLEN:
+        if VARLEN:  # branch-free (masked loads and stores): a branch in the loop stops its software pipelining
             f_t = tl.load(chunk_flags + i_t)
             p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            if (f_t & FIRST) != 0:
-                if HAS_H0:
-                    b_h = tl.load(h0 + p_n)
-                else:
-                    b_h = tl.zeros([K, BV], dtype=tl.float32)
+            first = (o_s * 0 + (f_t & FIRST)) != 0  # [K, BV]: the flag as a mask of the state's shape
+            if HAS_H0:
+                b_h = tl.where(first, tl.load(h0 + p_n, mask=first, other=0.0), b_h)
+            else:
+                b_h = tl.where(first, 0.0, b_h)
         tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -177,8 +177,7 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
         tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
         b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
         if VARLEN and STORE_HT:
-            if (f_t & LAST) != 0:
-                tl.store(ht + p_n, b_h)
+            tl.store(ht + p_n, b_h, mask=(o_s * 0 + (f_t & LAST)) != 0)
     if STORE_HT and not VARLEN:
         tl.store(ht + i_bh * K * V + o_s, b_h)
 
