@@ -140,6 +140,9 @@ class LearnerSection(_Section):
     # with gradient checkpointing, rows of fewer tokens run their half-layers without it (activations kept, no
     # recompute in backward; learner/recompute.py); longer rows are checkpointed as before. 0: always checkpoint
     recompute_min_tokens: int = Field(0, ge=0)
+    # on a checkpointed row, only the first this many decoder layers (forward order) are checkpointed; the later
+    # ones keep their activations (learner/recompute.py). None: every layer; 0: none
+    recompute_layers: int | None = Field(None, ge=0)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel
     num_ranks: int = Field(1, ge=1)

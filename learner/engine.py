@@ -100,11 +100,13 @@ class Learner:
             module.gradient_checkpointing_enable()
             if cfg.offload_activations_tokens:
                 offload.install(module, cfg.offload_activations_tokens)
-            if cfg.recompute_min_tokens:  # outermost: a row run without checkpointing must bypass the offload
+            # outermost: a half run without checkpointing must bypass the offload
+            if cfg.recompute_min_tokens or cfg.recompute_layers is not None:
                 if zero_stage == 3 and self.layout.dp_size > 1:
-                    raise ValueError("learner.recompute_min_tokens with zero_stage 3 and data parallelism: replicas "
-                                     "whose rows fall on either side of it would gather different parameters")
-                recompute.install(module, cfg.recompute_min_tokens)
+                    raise ValueError("learner.recompute_min_tokens / recompute_layers with zero_stage 3 and data "
+                                     "parallelism: replicas whose rows fall on either side of recompute_min_tokens "
+                                     "would gather different parameters (selective recompute is refused there)")
+                recompute.install(module, cfg.recompute_min_tokens, cfg.recompute_layers)
         if cfg.compile:
             compile_token_local(module)
         module.config.use_cache = False

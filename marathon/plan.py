@@ -181,7 +181,8 @@ def predicted_memory(cfg: RunConfig, lay: StageLayout, config: Any) -> dict[str,
 
     return learner_memory(config, lay.row_tokens, lay.stage.zero_stage, ranks=lay.ranks, cp=lay.cp,
                           bf16=cfg.learner.dtype == "bfloat16", checkpointing=lay.stage.gradient_checkpointing,
-                          recompute_min_tokens=cfg.learner.recompute_min_tokens, compiled=cfg.learner.compile)
+                          recompute_min_tokens=cfg.learner.recompute_min_tokens, compiled=cfg.learner.compile,
+                          recompute_layers=cfg.learner.recompute_layers)
 
 
 def render(cfg: RunConfig, stages: list[Stage], config_path: Path, cluster: Cluster | None, config: Any) -> str:

@@ -126,9 +126,19 @@ def layer_activations(config: MarathonConfig, layer: int, a: int = 2, compiled: 
     return glue + mixer + ffn
 
 
+def checkpointed_layers(L: int, T: int, checkpointing: bool, recompute_min_tokens: int = 0,
+                        recompute_layers: int | None = None) -> int:
+    """How many of ``L`` decoder layers a row of ``T`` tokens per CP rank checkpoints (``learner/recompute.py``):
+    none without checkpointing or under ``recompute_min_tokens``, else the first ``recompute_layers`` (None: all)."""
+    if not checkpointing or T < recompute_min_tokens:
+        return 0
+    return L if recompute_layers is None else min(L, recompute_layers)
+
+
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
                          bf16: bool = True, checkpointing: bool = True, offload: bool = False,
-                         recompute_min_tokens: int = 0, compiled: bool = False) -> dict[str, int]:
+                         recompute_min_tokens: int = 0, compiled: bool = False,
+                         recompute_layers: int | None = None) -> dict[str, int]:
     """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
@@ -139,7 +149,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
              on the device. Without checkpointing (or on a row of fewer than ``recompute_min_tokens`` tokens per CP
              rank: ``learner/recompute.py``), everything each half-layer saves (`layer_activations`; ``compiled``: under
-             ``learner.compile``).
+             ``learner.compile``). With ``recompute_layers`` = k (only the first k layers checkpointed), k / L of
+             the checkpointed term plus what the later layers save (`layer_activations` of layers k..L-1).
     transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
              (calibrated on the H200) and kernel inputs q/k/v/gate with their gradients for one segment of at
              most ``LAYER_SEGMENT`` tokens (longer rows run the layer segment by segment), plus the row's input,
@@ -173,10 +184,9 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     # + the gradients of the completed attention-residual blocks, which accumulate through the whole backward
     transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head) + blocks * T * D * a
     halves = 0 if offload else 2 * len(kinds) - blocks
-    if checkpointing and T >= recompute_min_tokens:
-        saved = (halves + blocks) * T * D * a
-    else:
-        saved = T * sum(layer_activations(c, i, a, compiled) for i in range(len(kinds)))
+    L = len(kinds)
+    k = checkpointed_layers(L, T, checkpointing, recompute_min_tokens, recompute_layers)
+    saved = (halves + blocks) * T * D * a * k // L + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())
@@ -184,31 +194,35 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
 
 
 def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp: int = 1, bf16: bool = True,
-                   checkpointing: bool = True, recompute_min_tokens: int = 0, compiled: bool = False) -> dict[str, int]:
+                   checkpointing: bool = True, recompute_min_tokens: int = 0, compiled: bool = False,
+                   recompute_layers: int | None = None) -> dict[str, int]:
     """Predicted peak bytes of one rank of a learner group of ``ranks`` ranks (ZeRO shards over all of them,
     data and context parallel alike: ``learner/dist.py``) training on packed rows of ``tokens`` tokens, each cut
     over ``cp`` context-parallel ranks; any HF causal-LM config. Marathon configs use `learner_memory_bytes`;
     other (dense) models the same state formula plus a transformer estimate of activations: saved layer inputs
     [T, D] with checkpointing (else ~10 D + 3 F values per token and layer), one layer's recompute and the
     chunked LM head as the transient; rows of fewer than ``recompute_min_tokens`` tokens per CP rank are not
-    checkpointed; ``compiled`` (``learner.compile``) applies to Marathon configs. Keys as `learner_memory_bytes`."""
+    checkpointed, and on longer rows only the first ``recompute_layers`` layers (None: all; the others keep
+    their activations); ``compiled`` (``learner.compile``) applies to Marathon configs. Keys as
+    `learner_memory_bytes`."""
     if isinstance(config, MarathonConfig):
         return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing,
-                                    recompute_min_tokens=recompute_min_tokens, compiled=compiled)
+                                    recompute_min_tokens=recompute_min_tokens, compiled=compiled,
+                                    recompute_layers=recompute_layers)
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         P = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     T, w = -(-tokens // cp), 2 if bf16 else 4
-    checkpointing = checkpointing and T >= recompute_min_tokens
     D, L = config.hidden_size, config.num_hidden_layers
+    k = checkpointed_layers(L, T, checkpointing, recompute_min_tokens, recompute_layers)
     F = getattr(config, "intermediate_size", 4 * D)
     out = {
         "weights": P * w // (ranks if zero_stage >= 3 else 1),
         "grads": P * w // (ranks if zero_stage >= 2 else 1),
         "optimizer": P * (8 + (8 if bf16 else 0)) // (ranks if zero_stage >= 1 else 1),
-        "saved_activations": L * T * D * w if checkpointing else L * T * (10 * D + 3 * F) * w,
+        "saved_activations": k * T * D * w + (L - k) * T * (10 * D + 3 * F) * w,
         "transient": max(2 * T * (4 * D + 3 * F) * w, 3 * HEAD_CHUNK * config.vocab_size * 4 + T * D * w),
     }
     out["total"] = sum(out.values())

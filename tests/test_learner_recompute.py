@@ -1,6 +1,7 @@
 """learner/recompute.py: rows under ``learner.recompute_min_tokens`` run their half-layers once, without
-checkpointing, with the gradients of full checkpointing; longer rows are checkpointed (and offloaded) as before.
-model/memory.py's estimate of what an un-checkpointed layer keeps."""
+checkpointing, with the gradients of full checkpointing; longer rows are checkpointed (and offloaded) as before;
+``learner.recompute_layers`` checkpoints only the first layers of those. model/memory.py's estimate of what an
+un-checkpointed layer keeps."""
 
 from __future__ import annotations
 
@@ -72,6 +73,35 @@ def test_negative_recompute_min_tokens_is_rejected():
     with pytest.raises(pydantic.ValidationError, match="recompute_min_tokens"):
         LearnerSection(recompute_min_tokens=-1)
     assert LearnerSection().recompute_min_tokens == 0
+
+
+def test_negative_recompute_layers_is_rejected():
+    with pytest.raises(pydantic.ValidationError, match="recompute_layers"):
+        LearnerSection(recompute_layers=-1)
+    assert LearnerSection().recompute_layers is None
+    assert LearnerSection(recompute_layers=0).recompute_layers == 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_only_the_first_layers_are_recomputed_with_the_same_gradients(k, one_thread):
+    """recompute_layers=k: on a checkpointed row each of the first k layers' mixers runs twice (forward, then
+    recompute), the later ones once, every forward alike; a row under recompute_min_tokens runs every layer once.
+    The gradients are those of full checkpointing and of none."""
+    short, long = _row([20, 30]), _row([40, 24])  # 50 and 64 tokens
+    model = _model()
+    assert recompute.install(model, min_tokens=64, layers=k) >= 1
+    runs = [0] * model.config.num_hidden_layers  # pre-hooks: the non-reentrant recompute may stop early
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    ones = [1] * len(runs)
+    for (ids, cu), want in ((short, ones), (long, [2] * k + ones[k:]), (long, [2] * k + ones[k:])):
+        runs[:] = [0] * len(runs)
+        got = _grads(model, ids, cu)
+        assert runs == want, ((ids.shape[1], runs))
+        model.zero_grad(set_to_none=True)
+    for a, plain, ckpt in zip(got, _grads(_model(checkpointing=False), *long), _grads(_model(), *long)):
+        torch.testing.assert_close(a, plain, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, ckpt, rtol=1e-5, atol=1e-7)
 
 
 def test_composes_with_offload(monkeypatch, one_thread):
@@ -169,3 +199,25 @@ def test_compiled_layer_activations_estimate_what_a_compiled_layer_saves(one_thr
         # learner-bench widths the terms are within 0.3%: model/memory.py)
         assert got == pytest.approx(layer_activations(model.config, i, a=2, compiled=True), rel=0.08), i
         assert got < 0.8 * layer_activations(model.config, i, a=2), i  # the compiled modules keep less
+
+
+def test_partial_recompute_memory_lies_between_full_and_none():
+    """model.memory: k of L layers checkpointed saves more than all, less than none; 0 and L are the two ends."""
+    from transformers import LlamaConfig
+
+    from model.memory import learner_memory, learner_memory_bytes
+
+    c, T = MarathonConfig.from_preset("learner-bench"), 65536
+    L = c.num_hidden_layers
+    full, none = learner_memory_bytes(c, T), learner_memory_bytes(c, T, checkpointing=False)
+    for k in (1, L // 2, L - 1):
+        part = learner_memory_bytes(c, T, recompute_layers=k)
+        assert full["saved_activations"] < part["saved_activations"] < none["saved_activations"], k
+        assert full["total"] < part["total"] < none["total"], k
+    assert learner_memory_bytes(c, T, recompute_layers=0) == none
+    assert learner_memory_bytes(c, T, recompute_layers=L) == full
+    assert learner_memory_bytes(c, T, recompute_layers=1, recompute_min_tokens=T + 1) == none  # row not checkpointed
+    dense = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                        vocab_size=256)
+    saved = [learner_memory(dense, T, recompute_layers=k)["saved_activations"] for k in (4, 2, 0)]
+    assert saved[0] < saved[1] < saved[2] == learner_memory(dense, T, checkpointing=False)["saved_activations"]

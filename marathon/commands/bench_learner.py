@@ -6,10 +6,11 @@ checkpointing, the token-chunked logprob head) on synthetic episodes: packed epi
 Per case: wall time, tokens/s, model TFLOP/s and MFU against the bf16 matmul peak measured in the same run,
 peak memory (measured and predicted by ``model.memory.learner_memory_bytes``), and time per layer type: each
 kind of layer (L / S / G mixers, the MoE and dense FFNs, the LM head) timed on its own, forward and backward,
-on the same row layout, times its count (forward twice where the row is checkpointed). ``--layouts hybrid,global``
+on the same row layout, times its count (forward twice for the layers a row checkpoints). ``--layouts hybrid,global``
 repeats everything with every mixer a gated MLA layer (same widths), for as long as it fits and a predicted
 step stays under ``--max-step-s``. ``--recompute-min-tokens N`` checkpoints only rows of at least N tokens
-(``learner.recompute_min_tokens``, learner/recompute.py).
+(``learner.recompute_min_tokens``, learner/recompute.py), ``--recompute-layers K`` only the first K decoder layers
+of those rows (``learner.recompute_layers``).
 
 GPU: ``python3 -m marathon.commands.bench_learner --out $OUT`` (DeepSpeed and pydantic travel as wheels; Ray and
 vLLM are not needed). CPU: ``marathon bench learner --device cpu --preset tiny --tokens 2048 --single 0``.
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-min-tokens", type=int, default=0,
                         help="rows of fewer tokens run without gradient checkpointing, no recompute in backward "
                              "(learner.recompute_min_tokens; learner/recompute.py; 0: every row checkpointed)")
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="on a checkpointed row, checkpoint only the first N decoder layers; the later ones keep "
+                             "their activations (learner.recompute_layers; default: every layer; 0: none)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -237,7 +241,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     from configs.schema import LearnerSection, LossSection
     from learner.engine import Learner
     from model.config import MarathonConfig
-    from model.memory import learner_memory_bytes
+    from model.memory import checkpointed_layers, learner_memory_bytes
     from model.modeling import MarathonForCausalLM
 
     overrides = {} if layout == "hybrid" else {"layer_layout": "G"}
@@ -256,6 +260,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                              micro_batch_tokens=args.micro_batch_tokens,
                              offload_activations_tokens=args.offload_tokens or None,
                              recompute_min_tokens=args.recompute_min_tokens,
+                             recompute_layers=args.recompute_layers,
                              compile=args.compile,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
@@ -282,10 +287,15 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 save()
                 continue
         row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
-        row["checkpointed"] = row_tokens >= args.recompute_min_tokens
+        recomputed = checkpointed_layers(config.num_hidden_layers, row_tokens, True, args.recompute_min_tokens,
+                                         args.recompute_layers)
+        row["checkpointed"] = recomputed > 0
+        if args.recompute_layers is not None:
+            row["recomputed_layers"] = recomputed
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
         predicted = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True, offload=row["offload"],
-                                         recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile)
+                                         recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile,
+                                         recompute_layers=args.recompute_layers)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -318,9 +328,10 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
             try:
                 times = _layer_times(learner.module, mbs[0], device, args.compile)
                 row["layers"] = times
-                fwd = 2 if row["checkpointed"] else 1
-                row["in_step_estimate_s"] = {k: len(mbs) * v["count"] * (fwd * v["fwd_ms"] + v["bwd_ms"]) / 1e3
-                                             for k, v in times.items()}
+                again = _recomputed_counts(config, recomputed)  # forwards run twice, by layer type
+                row["in_step_estimate_s"] = {
+                    k: len(mbs) * (v["count"] * (v["fwd_ms"] + v["bwd_ms"]) + again[k] * v["fwd_ms"]) / 1e3
+                    for k, v in times.items()}
             except torch.cuda.OutOfMemoryError as e:
                 row["layers"] = {"oom": str(e).split("\n")[0][:600]}
             if device.type == "cuda":
@@ -335,9 +346,19 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         torch.cuda.empty_cache()
 
 
+def _recomputed_counts(config, k: int) -> dict[str, int]:
+    """Per layer type (as `_layer_times` keys them), how many of the first ``k`` decoder layers (the checkpointed
+    ones) are of it; the head's blocks count once when any layer is checkpointed."""
+    dense = min(k, config.first_k_dense)
+    return {**{kind: config.layer_kinds[:k].count(kind) for kind in "LSG"}, "MoE": k - dense, "FFN": dense,
+            "head": int(k > 0)}
+
+
 def _case(r: dict) -> str:
     return (r["case"] + (" (offload)" if r.get("offload") else "")
-            + (" (no recompute)" if r.get("checkpointed") is False else ""))
+            + (" (no recompute)" if r.get("checkpointed") is False else "")
+            + (f" ({n} layer{'s' * (n > 1)} recomputed)" if r.get("checkpointed") and (n := r.get("recomputed_layers"))
+               else ""))
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -346,6 +367,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"Preset `{meta['preset']}`: {preset_note(meta['preset'])}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
              "optimizer step, gradient checkpointing"
+             + (f" of the first {k} decoder layer(s)" if (k := meta.get("recompute_layers")) is not None else "")
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
              + (", token-local modules compiled" if meta.get("compile") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
@@ -364,7 +386,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} | "
                      f"{r.get('first_seconds', float('nan')):.2f} | {phases} |")
     lines += ["", "Time per layer type (isolated layer, fwd / bwd ms on the case's first micro-batch; in-step "
-              "estimate = micro-batches x count x (2 fwd + bwd), (fwd + bwd) on a row not checkpointed):", "",
+              "estimate = micro-batches x count x (2 fwd + bwd), (fwd + bwd) on a row or layer not "
+              "checkpointed):", "",
               "| layout | case | tokens | " + " | ".join(["L", "S", "G", "MoE", "FFN", "head"]) + " | step s |",
               "|---|---|---|" + "---|" * 7]
     for r in rows:
@@ -396,7 +419,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
-            "recompute_min_tokens": args.recompute_min_tokens,
+            "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                              if a not in ("bench", "learner"))}
