@@ -41,12 +41,16 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT and not VARLEN:
         b_dh = tl.load(dht + i_bh * K * V + o_s)
+    if VARLEN:  # flags and sequence one step ahead, as in _state_fwd_kernel
+        f_nx, s_nx = tl.load(chunk_flags + NT - 1), tl.load(chunk_seq + NT - 1)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         t0 = i_t * BT
         if VARLEN:  # branch-free, as in _state_fwd_kernel
-            f_t = tl.load(chunk_flags + i_t)
-            p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            f_t, s_t = f_nx, s_nx
+            f_nx = tl.load(chunk_flags + tl.maximum(i_t - 1, 0))
+            s_nx = tl.load(chunk_seq + tl.maximum(i_t - 1, 0))
+            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
             last = (o_s * 0 + (f_t & LAST)) != 0  # [K, BV]: the flag as a mask of the state's shape
             if HAS_DHT:
                 b_dh = tl.where(last, tl.load(dht + p_n, mask=last, other=0.0), b_dh)

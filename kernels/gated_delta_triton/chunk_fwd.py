@@ -156,11 +156,15 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0 and not VARLEN:
         b_h = tl.load(h0 + i_bh * K * V + o_s)
+    if VARLEN:  # each chunk's flags and sequence are loaded one step ahead: a load the step waits on stalls it
+        f_nx, s_nx = tl.load(chunk_flags), tl.load(chunk_seq)
     for i_t in range(NT):
         t0 = i_t * BT
         if VARLEN:  # branch-free (masked loads and stores): a branch in the loop stops its software pipelining
-            f_t = tl.load(chunk_flags + i_t)
-            p_n = (tl.load(chunk_seq + i_t).to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            f_t, s_t = f_nx, s_nx
+            f_nx = tl.load(chunk_flags + tl.minimum(i_t + 1, NT - 1))
+            s_nx = tl.load(chunk_seq + tl.minimum(i_t + 1, NT - 1))
+            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
             first = (o_s * 0 + (f_t & FIRST)) != 0  # [K, BV]: the flag as a mask of the state's shape
             if HAS_H0:
                 b_h = tl.where(first, tl.load(h0 + p_n, mask=first, other=0.0), b_h)
