@@ -103,7 +103,7 @@ for group in "$@"; do
         wait ;;
     fixes)  # ours on the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests
         gpu_tests &
-        table_ours 300
+        table_ours 240
         wait ;;
     steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS
         for n in ${RECOMPUTE_LAYERS:-3}; do
