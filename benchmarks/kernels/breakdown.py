@@ -22,7 +22,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import gated_delta_triton as gdt  # noqa: E402
-from marathon.commands.bench_kernels import _inputs, _rel, kda_check_case, kda_outputs_and_grads  # noqa: E402
+from marathon.commands.bench_kernels import (_inputs, _packed_lengths, _rel, kda_check_case,  # noqa: E402
+                                             kda_outputs_and_grads)
 
 NAMES = ["o", "ht", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
 
@@ -63,17 +64,23 @@ def kernel_table(fn, iters: int = 5) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def profile_methods(T: int, have_fla: bool) -> dict:
+def profile_methods(T: int, have_fla: bool, packed: bool = False) -> dict:
+    """Each method on one row of T tokens; with ``packed`` also on the same row cut into the kernel table's ragged
+    episodes (``bench_kernels._packed_lengths``), as ``<method>_packed``."""
     q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(1, T, 16, 128, torch.bfloat16)]
     do = torch.randn_like(v)
+    cu = torch.tensor([0, *torch.tensor(_packed_lengths(T)).cumsum(0).tolist()], device="cuda")
+    cases = [(name, fn, {}) for name, fn in methods(have_fla).items()]
+    if packed:
+        cases += [(name + "_packed", fn, {"cu_seqlens": cu}) for name, fn, _ in cases]
     res = {}
-    for name, fn in methods(have_fla).items():
-        def fwd():
+    for name, fn, kw in cases:
+        def fwd(fn=fn, kw=kw):
             with torch.no_grad():
-                fn(q, k, v, raw, beta)
+                fn(q, k, v, raw, beta, **kw)
 
-        def step():
-            o = fn(q, k, v, raw, beta)[0]
+        def step(fn=fn, kw=kw):
+            o = fn(q, k, v, raw, beta, **kw)[0]
             torch.autograd.grad(o, (q, k, v, raw, beta), do)
 
         res[name] = {"fwd_ms": triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median"),
@@ -130,6 +137,7 @@ def main() -> int:
     p.add_argument("--check-heads", type=int, default=16, help="fla autotunes per head count: keep it at 16")
     p.add_argument("--skip", default="", help="comma list of: profile, accuracy")
     p.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    p.add_argument("--packed", action="store_true", help="also profile each method on the row cut into ragged episodes")
     p.add_argument("--compare", help="path of an earlier kernels/gated_delta_triton.py to time and check too")
     p.add_argument("--out", default="benchmarks/kernels")
     a = p.parse_args()
@@ -150,7 +158,7 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "have_fla": have_fla}
     t0 = time.time()
     if "profile" not in skip:
-        res["profile"] = profile_methods(a.tokens, have_fla)
+        res["profile"] = profile_methods(a.tokens, have_fla, a.packed)
         print(f"profile done {time.time() - t0:.0f}s", flush=True)
         save(res, a.out)
     if "accuracy" not in skip:
