@@ -76,7 +76,11 @@ def test_chunk_triton_matches_recurrent(dtype, tol, B, T, H, K, V, fused):
 @pytest.mark.parametrize("i", range(8))
 def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     """The autotuner may pick any of its configs on another GPU or shape: each state-kernel config and each
-    pair-gradient config is checked on its own (config i of each list, cycling)."""
+    pair-gradient config is checked on its own (config i of each list, cycling). A config that needs more shared
+    memory than the GPU has is one the autotuner skips (it times it as infinite): in fp32, where 3xTF32 stages
+    more, that ends the case; in bf16 every config must fit."""
+    import triton
+
     import kernels.gated_delta_triton as gdt
     from kernels.gated_delta import recurrent_gated_delta_rule
 
@@ -90,6 +94,10 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
         for kern, configs in kernels.items():
             kern.configs, kern.cache = [configs[i % len(configs)]], {}
         out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
+    except triton.runtime.errors.OutOfResources as e:
+        if dtype != torch.float32:
+            raise
+        pytest.skip(f"config {i} does not fit in fp32 on this GPU: {e}")
     finally:
         for kern, configs in kernels.items():
             kern.configs, kern.cache = configs, {}

@@ -75,6 +75,7 @@ print(json.dumps({n: ((a.double() - b).norm() / b.norm()).item() if torch.isfini
     (1, 0, 2, 64, 64, 32, 64, True, [1, 63, 65, 2, 128, 30]),  # packed row: ragged sequences, state resets
     (1, 0, 1, 64, 64, 64, 32, False, [64, 128, 64]),  # packed row of aligned sequences (no re-layout)
     (1, 0, 1, 64, 64, 16, 64, True, [1, 2]),      # packed row of two chunks: a no-op chunk after the last (MIN_CHUNKS)
+    (1, 0, 1, 256, 256, 16, 64, True, [70, 60]),  # K = V = 256: the state kernels' four row blocks, packed
 ])
 def test_triton_kernels_match_reference_in_interpreter(B, T, H, K, V, BV, BK, fused, lengths):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -13,6 +13,7 @@
 #   bash benchmarks/learner/run_gpu.sh steady-norecompute  # 64K compiled without gradient checkpointing
 #   bash benchmarks/learner/run_gpu.sh warm kernels    # tests beside the table's compiles; then the table vs fla
 #   TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes  # kernel tests; ours on 4 rows
+#   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
@@ -69,16 +70,21 @@ gpu_tests() {  # TESTS_FILES: a subset of the three files
         ${TESTS_FILES:-tests/test_kernels_gpu.py tests/test_model_gpu.py tests/test_model_varlen.py}
 }
 
-table_ours() {  # table_ours SECONDS: ours alone on the rows SHAPE_IDX of the table, compiled in parallel, then timed
-    local i t0=$SECONDS limit pids=() idx=() rows=${SHAPE_IDX:-2 3 6 7}
+warm_ours() {  # warm_ours SECONDS: ours alone on the rows SHAPE_IDX of the table, one compile process per row
+    local i t0=$SECONDS limit pids=()
     limit=$(left "$1")
-    for i in $rows; do
+    for i in ${SHAPE_IDX:-2 3 6 7}; do
         timeout --signal=INT "$limit" env -u TRITON_CACHE_AUTOTUNING python3 -m marathon.commands.bench_kernels \
             --shapes --warm --shape-index "$i" --method ours --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-ours.log" 2>&1 &
-        pids+=($!); idx+=(--shape-index "$i")
+        pids+=($!)
     done
     wait "${pids[@]}"
-    echo "=== warm ours ($rows): done after $((SECONDS - t0))s"
+    echo "=== warm ours (${SHAPE_IDX:-2 3 6 7}): done after $((SECONDS - t0))s"
+}
+
+table_ours() {  # ours alone on the rows SHAPE_IDX, timed (after warm_ours, with nothing else on the GPU)
+    local i idx=()
+    for i in ${SHAPE_IDX:-2 3 6 7}; do idx+=(--shape-index "$i"); done
     step kernels-ours 120 python3 -m marathon.commands.bench_kernels --shapes "${idx[@]}" --method ours \
         --out "$OUT/kernels-ours"
 }
@@ -103,8 +109,12 @@ for group in "$@"; do
         wait ;;
     fixes)  # ours on the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests
         gpu_tests &
-        table_ours 240
-        wait ;;
+        warm_ours 240
+        wait  # the tests too: the table is timed alone
+        table_ours ;;
+    packed-profile)  # per-kernel device times of ours on a 64K row, whole and cut into the table's ragged episodes
+        step packed-profile 120 python3 benchmarks/kernels/breakdown.py --tokens 65536 --packed --no-fla \
+            --skip accuracy --out "$OUT/packed-profile" ;;
     steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS
         for n in ${RECOMPUTE_LAYERS:-3}; do
             step steady-partial-$n 150 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
