@@ -24,7 +24,7 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, chunks):
     NT = T // CHUNK
     N = B if chunks is None else chunks[2]
     chunk_seq, chunk_flags = (None, None) if chunks is None else chunks[:2]
-    prec = _prec(q)
+    prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
     _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, H, K, GATE=lower_bound is not None)
@@ -56,7 +56,7 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, chunks, saved, do, dht):
     NT = T // CHUNK
     N = B if chunks is None else chunks[2]
     chunk_seq, chunk_flags = (None, None) if chunks is None else chunks[:2]
-    prec = _prec(q)
+    prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dh = torch.empty_like(h)

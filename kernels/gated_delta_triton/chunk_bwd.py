@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS
-from kernels.gated_delta_triton.common import BC, BK, BT, FIRST, LAST, _restart, _store_blocks, _tile
+from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _tile
 
 
 @triton.jit
@@ -23,47 +23,24 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, H: tl.constexpr, V: tl.constexpr, BV: t
     tl.store(dU + p_y, b_dU, mask=m_t)
 
 
-@triton.jit
-def _dstate_step_block(b_dh, qg, w, p_x, m_t, p_gl, b_do, b_dU, PREC: tl.constexpr):
-    """The previous state gradient block: dh_block exp(G_L[block]) + qg[:, block]^T dO - w[:, block]^T dU."""
-    b_qg = tl.load(qg + p_x, mask=m_t, other=0.0)
-    b_w = tl.load(w + p_x, mask=m_t, other=0.0)
-    b_dh = b_dh * tl.exp(tl.load(p_gl))[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
-    return b_dh - tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
-
-
-@triton.jit
-def _dU_block(b_dU, kd, p_x, m_t, b_dh, PREC: tl.constexpr):
-    """b_dU + kd[:, block] dh_block: [BT, BV]."""
-    b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
-    return b_dU + tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)
-
-
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
 @triton.jit
 def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags, T, NT, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Reverse sequential pass. dh[n] = dL/d(state at the end of chunk n) [B, NT, H, K, V];
-    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU. The state gradient is
-    held as blocks of BK rows, as the state in _state_fwd_kernel.
+    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
     VARLEN: the state gradient restarts from the sequence's dht (or zero) at its LAST chunk and is stored as
     its dh0 after its FIRST chunk."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
+    o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
-    o_s, _ = _tile(0, 0, BK, V, i_v * BV, BK, BV)  # this V-slice of rows 0..BK of one [K, V] state; block j: + j BK V
-    b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_dh2, b_dh3, b_dh4 = b_dh1, b_dh1, b_dh1
+    o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
+    b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT and not VARLEN:
-        b_dh1 = _restart(b_dh1, o_s >= 0, dht + i_bh * K * V, o_s, True)
-        if K > BK:
-            b_dh2 = _restart(b_dh2, o_s >= 0, dht + i_bh * K * V + BK * V, o_s, True)
-        if K > 2 * BK:
-            b_dh3 = _restart(b_dh3, o_s >= 0, dht + i_bh * K * V + 2 * BK * V, o_s, True)
-            b_dh4 = _restart(b_dh4, o_s >= 0, dht + i_bh * K * V + 3 * BK * V, o_s, True)
+        b_dh = tl.load(dht + i_bh * K * V + o_s)
     if VARLEN:  # flags and sequence one step ahead, as in _state_fwd_kernel
         f_nx, s_nx = tl.load(chunk_flags + NT - 1), tl.load(chunk_seq + NT - 1)
     for i_r in range(NT):
@@ -73,41 +50,29 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
             f_t, s_t = f_nx, s_nx
             f_nx = tl.load(chunk_flags + tl.maximum(i_t - 1, 0))
             s_nx = tl.load(chunk_seq + tl.maximum(i_t - 1, 0))
-            p_n = dht + (s_t.to(tl.int64) * H + i_h) * K * V  # this sequence's final-state gradient
-            last = (o_s * 0 + (f_t & LAST)) != 0  # [BK, BV]: the flag as a mask of a block's shape
-            b_dh1 = _restart(b_dh1, last, p_n, o_s, HAS_DHT)
-            if K > BK:
-                b_dh2 = _restart(b_dh2, last, p_n + BK * V, o_s, HAS_DHT)
-            if K > 2 * BK:
-                b_dh3 = _restart(b_dh3, last, p_n + 2 * BK * V, o_s, HAS_DHT)
-                b_dh4 = _restart(b_dh4, last, p_n + 3 * BK * V, o_s, HAS_DHT)
-        p_h = dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s
-        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, BK)  # [BT, BK]: columns of block 0; block j: + j BK
+            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            last = (o_s * 0 + (f_t & LAST)) != 0  # [K, BV]: the flag as a mask of the state's shape
+            if HAS_DHT:
+                b_dh = tl.where(last, tl.load(dht + p_n, mask=last, other=0.0), b_dh)
+            else:
+                b_dh = tl.where(last, 0.0, b_dh)
+        tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
+        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
-        tl.store(p_h, b_dh1.to(dh.dtype.element_ty))
-        b_dU = _dU_block(tl.load(dU + p_y, mask=m_y, other=0.0), kd, p_x, m_t, b_dh1, PREC)
-        if K > BK:
-            tl.store(p_h + BK * V, b_dh2.to(dh.dtype.element_ty))
-            b_dU = _dU_block(b_dU, kd, p_x + BK, m_t, b_dh2, PREC)
-        if K > 2 * BK:
-            tl.store(p_h + 2 * BK * V, b_dh3.to(dh.dtype.element_ty))
-            tl.store(p_h + 3 * BK * V, b_dh4.to(dh.dtype.element_ty))
-            b_dU = _dU_block(b_dU, kd, p_x + 2 * BK, m_t, b_dh3, PREC)
-            b_dU = _dU_block(b_dU, kd, p_x + 3 * BK, m_t, b_dh4, PREC)  # [BT, BV]
-        tl.store(dU + p_y, b_dU, mask=m_y)
+        b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)  # [BT, K]
+        b_qg = tl.load(qg + p_x, mask=m_t, other=0.0)
+        b_w = tl.load(w + p_x, mask=m_t, other=0.0)
         b_do = tl.load(do + p_y, mask=m_y, other=0.0)  # [BT, BV]
-        p_gl = G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k  # [BK]: the chunk's last cumulative gate
-        b_dh1 = _dstate_step_block(b_dh1, qg, w, p_x, m_t, p_gl, b_do, b_dU, PREC)
-        if K > BK:
-            b_dh2 = _dstate_step_block(b_dh2, qg, w, p_x + BK, m_t, p_gl + BK, b_do, b_dU, PREC)
-        if K > 2 * BK:
-            b_dh3 = _dstate_step_block(b_dh3, qg, w, p_x + 2 * BK, m_t, p_gl + 2 * BK, b_do, b_dU, PREC)
-            b_dh4 = _dstate_step_block(b_dh4, qg, w, p_x + 3 * BK, m_t, p_gl + 3 * BK, b_do, b_dU, PREC)
+        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_dU = tl.load(dU + p_y, mask=m_y, other=0.0)
+        b_dU += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)  # [BT, BV]
+        tl.store(dU + p_y, b_dU, mask=m_y)
+        b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
         if VARLEN and STORE_DH0:
-            _store_blocks(dh0 + (s_t.to(tl.int64) * H + i_h) * K * V, o_s, b_dh1, b_dh2, b_dh3, b_dh4,
-                          (o_s * 0 + (f_t & FIRST)) != 0, K, V)
+            tl.store(dh0 + p_n, b_dh, mask=(o_s * 0 + (f_t & FIRST)) != 0)
     if STORE_DH0 and not VARLEN:
-        _store_blocks(dh0 + i_bh * K * V, o_s, b_dh1, b_dh2, b_dh3, b_dh4, o_s >= 0, K, V)
+        tl.store(dh0 + i_bh * K * V + o_s, b_dh)
 
 
 @triton.jit

@@ -6,8 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gated_delta_triton.common import (BC, BK, BT, FIRST, LAST, _diagonal_inverses16, _load16, _mm, _restart,
-                                               _store16, _store_blocks, _tile)
+from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _diagonal_inverses16, _load16, _mm, _store16, _tile
 
 
 @triton.jit
@@ -133,25 +132,9 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.
 # trades programs (SMs in use) against work per step, and a third pipeline stage loads the next chunk's
 # operands earlier (-0.8 ms of 15.8 at 64K tokens, benchmarks/kernels/NOTES.md; BV = 64 with 3 stages needs
 # 256 KiB of shared memory in fp32). 4 warps: with 2 the state kernels spill heavily (and one such config
-# crashed on the H200). The state [K, V] is held as up to four [BK, BV] blocks of BK = 64 rows (as fla's
-# chunk_gated_delta_rule_fwd_kernel_h splits K), each step's [BT, K] operands loaded one block at a time: at
-# K = 256 in fp32 a whole [BT, K] operand per load did not fit in registers or shared memory. The single-stage
-# config is the one whose backward fits in shared memory at K = 256 in fp32 (3xTF32 stages more than bf16).
+# crashed on the H200).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((16, 2), (32, 2), (64, 2),
-                                                                                    (16, 3), (32, 3), (16, 1))]
-
-
-@triton.jit
-def _state_out_block(b_U, w, p_x, m_t, b_h, PREC: tl.constexpr):
-    """b_U - w[:, block] h_block: [BT, BV]."""
-    return b_U - tl.dot(tl.load(w + p_x, mask=m_t, other=0.0), b_h.to(w.dtype.element_ty), input_precision=PREC)
-
-
-@triton.jit
-def _state_step_block(b_h, kd, p_x, m_t, p_gl, b_U, PREC: tl.constexpr):
-    """The next state block: h_block exp(G_L[block]) + kd[:, block]^T U."""
-    b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
-    return b_h * tl.exp(tl.load(p_gl))[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
+                                                                                    (16, 3), (32, 3))]
 
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
@@ -161,24 +144,18 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
                       VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Sequential pass over chunks for one (batch, head, V-slice): stores the chunk-start states
     h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
-    carried between steps (blocks b_h1..b_h4 of its rows); every other operand was prepared by the parallel kernels.
+    carried between steps; every other operand was prepared by the parallel kernels.
     VARLEN (B = 1, sequences chunk-aligned): chunk n belongs to sequence chunk_seq[n]; the state is reset to
     that sequence's h0 (or zero) where chunk_flags[n] has FIRST and its final state is stored where LAST."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
+    o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
-    o_s, _ = _tile(0, 0, BK, V, i_v * BV, BK, BV)  # this V-slice of rows 0..BK of one [K, V] state; block j: + j BK V
-    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
-    b_h2, b_h3, b_h4 = b_h1, b_h1, b_h1
+    o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0 and not VARLEN:
-        b_h1 = _restart(b_h1, o_s >= 0, h0 + i_bh * K * V, o_s, True)
-        if K > BK:
-            b_h2 = _restart(b_h2, o_s >= 0, h0 + i_bh * K * V + BK * V, o_s, True)
-        if K > 2 * BK:
-            b_h3 = _restart(b_h3, o_s >= 0, h0 + i_bh * K * V + 2 * BK * V, o_s, True)
-            b_h4 = _restart(b_h4, o_s >= 0, h0 + i_bh * K * V + 3 * BK * V, o_s, True)
+        b_h = tl.load(h0 + i_bh * K * V + o_s)
     if VARLEN:  # each chunk's flags and sequence are loaded one step ahead: a load the step waits on stalls it
         f_nx, s_nx = tl.load(chunk_flags), tl.load(chunk_seq)
     for i_t in range(NT):
@@ -187,40 +164,26 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
             f_t, s_t = f_nx, s_nx
             f_nx = tl.load(chunk_flags + tl.minimum(i_t + 1, NT - 1))
             s_nx = tl.load(chunk_seq + tl.minimum(i_t + 1, NT - 1))
-            p_n = h0 + (s_t.to(tl.int64) * H + i_h) * K * V  # this sequence's initial state
-            first = (o_s * 0 + (f_t & FIRST)) != 0  # [BK, BV]: the flag as a mask of a block's shape
-            b_h1 = _restart(b_h1, first, p_n, o_s, HAS_H0)
-            if K > BK:
-                b_h2 = _restart(b_h2, first, p_n + BK * V, o_s, HAS_H0)
-            if K > 2 * BK:
-                b_h3 = _restart(b_h3, first, p_n + 2 * BK * V, o_s, HAS_H0)
-                b_h4 = _restart(b_h4, first, p_n + 3 * BK * V, o_s, HAS_H0)
-        p_h = h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s
-        tl.store(p_h, b_h1.to(h.dtype.element_ty))
-        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, BK)  # [BT, BK]: columns of block 0; block j: + j BK
+            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
+            first = (o_s * 0 + (f_t & FIRST)) != 0  # [K, BV]: the flag as a mask of the state's shape
+            if HAS_H0:
+                b_h = tl.where(first, tl.load(h0 + p_n, mask=first, other=0.0), b_h)
+            else:
+                b_h = tl.where(first, 0.0, b_h)
+        tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
+        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
-        b_U = _state_out_block(tl.load(u + p_y, mask=m_y, other=0.0).to(tl.float32), w, p_x, m_t, b_h1, PREC)
-        if K > BK:
-            tl.store(p_h + BK * V, b_h2.to(h.dtype.element_ty))
-            b_U = _state_out_block(b_U, w, p_x + BK, m_t, b_h2, PREC)
-        if K > 2 * BK:
-            tl.store(p_h + 2 * BK * V, b_h3.to(h.dtype.element_ty))
-            tl.store(p_h + 3 * BK * V, b_h4.to(h.dtype.element_ty))
-            b_U = _state_out_block(b_U, w, p_x + 2 * BK, m_t, b_h3, PREC)
-            b_U = _state_out_block(b_U, w, p_x + 3 * BK, m_t, b_h4, PREC)  # [BT, BV]
+        b_w = tl.load(w + p_x, mask=m_t, other=0.0)  # [BT, K]
+        b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
+        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_U = tl.load(u + p_y, mask=m_y, other=0.0).to(tl.float32)
+        b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
         tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
-        p_gl = G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k  # [BK]: the chunk's last cumulative gate
-        b_h1 = _state_step_block(b_h1, kd, p_x, m_t, p_gl, b_U, PREC)
-        if K > BK:
-            b_h2 = _state_step_block(b_h2, kd, p_x + BK, m_t, p_gl + BK, b_U, PREC)
-        if K > 2 * BK:
-            b_h3 = _state_step_block(b_h3, kd, p_x + 2 * BK, m_t, p_gl + 2 * BK, b_U, PREC)
-            b_h4 = _state_step_block(b_h4, kd, p_x + 3 * BK, m_t, p_gl + 3 * BK, b_U, PREC)
+        b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
         if VARLEN and STORE_HT:
-            _store_blocks(ht + (s_t.to(tl.int64) * H + i_h) * K * V, o_s, b_h1, b_h2, b_h3, b_h4,
-                          (o_s * 0 + (f_t & LAST)) != 0, K, V)
+            tl.store(ht + p_n, b_h, mask=(o_s * 0 + (f_t & LAST)) != 0)
     if STORE_HT and not VARLEN:
-        _store_blocks(ht + i_bh * K * V, o_s, b_h1, b_h2, b_h3, b_h4, o_s >= 0, K, V)
+        tl.store(ht + i_bh * K * V + o_s, b_h)
 
 
 @triton.jit

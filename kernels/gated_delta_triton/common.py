@@ -12,7 +12,6 @@ BC = tl.constexpr(16)  # sub-tile length: one reference row per 16 tokens keeps 
 G_MIN_SAFE = -5.5  # 15 steps * 5.5 = 82.5 < log(fp32 max) ~ 88.7
 FIRST = tl.constexpr(1)  # chunk_flags bits (packed rows): the chunk starts a sequence
 LAST = tl.constexpr(2)  # ... the chunk ends a sequence
-BK = tl.constexpr(64)  # rows of one block of a [K, V] state in the sequential kernels (K = 64, 128 or 256)
 
 @triton.jit
 def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
@@ -20,26 +19,6 @@ def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
     with row stride ``stride``, and the [R, 1] mask of the rows below ``n_rows``."""
     o_r = row0 + tl.arange(0, R)
     return X + o_r[:, None] * stride + col0 + tl.arange(0, C)[None, :], (o_r < n_rows)[:, None]
-
-
-@triton.jit
-def _restart(b_h, flag, X, o_s, HAS_INIT: tl.constexpr):
-    """b_h where ``flag`` ([R, C] mask) is false; elsewhere the block at X + o_s (HAS_INIT) or zero."""
-    b_init = tl.zeros_like(b_h)
-    if HAS_INIT:
-        b_init = tl.load(X + o_s, mask=flag, other=0.0)
-    return tl.where(flag, b_init, b_h)
-
-
-@triton.jit
-def _store_blocks(X, o_s, b_1, b_2, b_3, b_4, mask, K: tl.constexpr, V: tl.constexpr):
-    """A [K, V] state slice held as blocks of BK rows (b_1 .. b_{K / BK}) stored at X + o_s where ``mask``."""
-    tl.store(X + o_s, b_1, mask=mask)
-    if K > BK:
-        tl.store(X + BK * V + o_s, b_2, mask=mask)
-    if K > 2 * BK:
-        tl.store(X + 2 * BK * V + o_s, b_3, mask=mask)
-        tl.store(X + 3 * BK * V + o_s, b_4, mask=mask)
 
 
 @triton.jit
@@ -88,9 +67,13 @@ def _diagonal_inverses16(A, n, RS: tl.constexpr):
     return b_X0 + b_I, b_X1 + b_I, b_X2 + b_I, b_X3 + b_I
 
 
-def _prec(x: torch.Tensor) -> str:
+def _prec(q: torch.Tensor, v: torch.Tensor) -> str:
     """fp32 inputs get fp32-accurate dots on the tensor cores: 3xTF32 (each operand split into a tf32 head and
     tail, three tf32 products), within the 1e-4 reference tolerance; the plain fp32 ("ieee") dots ran on the CUDA
-    cores, 7-19x slower than fla's tf32 on the H200. For 16-bit inputs, dots of 16-bit operands run as bf16/fp16
-    on the tensor cores and dots of fp32 operands (the pair products) as tf32."""
-    return "tf32x3" if x.dtype == torch.float32 else "tf32"
+    cores, 8x slower than 3xTF32 at K = V = 64 on the H200. At K = 256 the state backward needs more shared memory
+    in 3xTF32 than the H200 has in every config (237,568 B of 232,448 at the smallest), so fp32 with a head dim
+    over 128 stays on ieee dots. For 16-bit inputs, dots of 16-bit operands run as bf16/fp16 on the tensor cores
+    and dots of fp32 operands (the pair products) as tf32."""
+    if q.dtype != torch.float32:
+        return "tf32"
+    return "tf32x3" if max(q.shape[-1], v.shape[-1]) <= 128 else "ieee"
