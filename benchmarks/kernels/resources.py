@@ -17,6 +17,7 @@ import tempfile
 import types
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -24,6 +25,9 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.gated_delta_triton import chunk_bwd, chunk_fwd, fused_recurrent  # noqa: E402
+from kernels.gated_delta_triton.common import _prec  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 gdt = types.SimpleNamespace(**{**vars(chunk_fwd), **vars(chunk_bwd), **vars(fused_recurrent)})  # every kernel
 
@@ -56,7 +60,7 @@ def report(name: str, kernel, types: dict, constants: dict, num_warps: int = 4, 
 
 
 def main(dtype: str) -> int:
-    prec = "tf32" if dtype == "bf16" else "ieee"
+    prec = _prec(torch.empty(0, K, dtype=DTYPES[dtype]), torch.empty(0, V))  # the dots the dispatch picks
     x, f32 = f"*{dtype}", "*fp32"
 
     def ptrs(names: str, t: str = x) -> dict:
@@ -85,14 +89,20 @@ def main(dtype: str) -> int:
                "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)),
     ]
     chunks = ptrs("chunk_seq chunk_flags", "*i32")
-    for c, varlen in ((c, v) for c in gdt.STATE_CONFIGS for v in (False, True)):
-        tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}" + (" varlen" if varlen else "")
+    # whole rows with initial / final states (the tests), packed rows with them, packed rows without (training)
+    for c, varlen, st in ((c, v, st) for c in gdt.STATE_CONFIGS for v, st in ((False, True), (True, True),
+                                                                             (True, False))):
+        tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}" + (" varlen" if varlen else "") + \
+            ("" if st else " no-states")
+        # a kernel argument that is None (no initial state) is a constexpr None to the compiler
         ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
-                         **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=True, STORE_HT=True,
-                                                 VARLEN=varlen, PREC=prec), c.num_warps, c.num_stages))
+                         **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=st, STORE_HT=st,
+                                                 VARLEN=varlen, PREC=prec, **({} if st else dict(h0=None, ht=None))),
+                         c.num_warps, c.num_stages))
         ok.append(report(f"state_bwd {tag}", gdt._state_bwd_kernel, {**ptrs("qg kd w do dh"),
                          **ptrs("G dU dht dh0", f32), **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"],
-                         HAS_DHT=True, STORE_DH0=True, VARLEN=varlen, PREC=prec), c.num_warps, c.num_stages))
+                         HAS_DHT=st, STORE_DH0=st, VARLEN=varlen, PREC=prec,
+                         **({} if st else dict(dht=None, dh0=None))), c.num_warps, c.num_stages))
     for c in gdt.PAIR_CONFIGS:
         tag = f"BK{c.kwargs['BK']} w{c.num_warps} s{c.num_stages}"
         ok.append(report(f"bwd_pair {tag}", gdt._bwd_pair_kernel, {**ptrs("q k beta dq dk"),
