@@ -24,3 +24,16 @@ def test_render_only_merges_checks_into_the_committed_results(tmp_path):
     assert "; checks: `marathon bench kernels --checks-only" in md
     assert "| 262144 | fp32 |" in md and "| 1048576 | - | not checked" in md
     assert (tmp_path / "kernels.png").stat().st_size > 0
+
+
+def test_shape_table_puts_a_failed_method_in_its_own_cell():
+    """Ours alone (``--method ours``) with a shape out of shared memory: the error shows once, in ours' fwd+bwd
+    cell; fla's cells and the ratios stay empty (call 4 of the fourth H200 lease printed the error in the ratios)."""
+    rows = [{"B": 1, "T": 32768, "H": 8, "D": 256, "dtype": "fp32", "packed": 0, "ours_fwd_ms": 16.94,
+             "ours_error": "OutOfResources: out of resource: shared memory"},
+            {"B": 1, "T": 65536, "H": 16, "D": 128, "dtype": "bf16", "packed": 14, "ours_fwd_ms": 7.15,
+             "ours_fwd_bwd_ms": 19.52, "fla_fwd_ms": 3.22, "fla_fwd_bwd_ms": 15.41, "ours_over_fla_fwd": 0.45,
+             "ours_over_fla_fwd_bwd": 0.79}]
+    md = bench_kernels._shapes_markdown({"device": "H200", "fla": "0.6.0", "command": "c"}, rows).splitlines()
+    assert md[-2] == "| 1 | 32768 | 8 | 256 | fp32 |  | 16.94 |  |  | OutOfResources: out of resource: shared  |  |  |"
+    assert md[-1] == "| 1 | 65536 | 16 | 128 | bf16 | 14 | 7.15 | 3.22 | 0.45 | 19.52 | 15.41 | 0.79 |"
