@@ -141,8 +141,11 @@ class LearnerSection(_Section):
     # recompute in backward; learner/recompute.py); longer rows are checkpointed as before. 0: always checkpoint
     recompute_min_tokens: int = Field(0, ge=0)
     # on a checkpointed row, only the first this many decoder layers (forward order) are checkpointed; the later
-    # ones keep their activations (learner/recompute.py). None: every layer; 0: none
-    recompute_layers: int | None = Field(None, ge=0)
+    # ones keep their activations (learner/recompute.py). None: every layer; 0: none; "auto": per row, the fewest
+    # whose predicted peak (model.memory) fits in recompute_memory_fraction of the device's memory
+    recompute_layers: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    # "auto"'s share of the device's memory (the prediction was 5-6% over the H200's measured 64K peaks)
+    recompute_memory_fraction: float = Field(0.95, gt=0, le=1)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel
     num_ranks: int = Field(1, ge=1)

@@ -106,7 +106,12 @@ class Learner:
                     raise ValueError("learner.recompute_min_tokens / recompute_layers with zero_stage 3 and data "
                                      "parallelism: replicas whose rows fall on either side of recompute_min_tokens "
                                      "would gather different parameters (selective recompute is refused there)")
-                recompute.install(module, cfg.recompute_min_tokens, cfg.recompute_layers)
+                layers = cfg.recompute_layers
+                if layers == "auto":  # the memory model over this rank's states and each row's activations
+                    layers = recompute.auto_layers(module.config, self.device, cfg.recompute_memory_fraction,
+                                                   zero_stage=zero_stage, ranks=self.layout.world_size,
+                                                   bf16=dtype == torch.bfloat16, compiled=cfg.compile)
+                recompute.install(module, cfg.recompute_min_tokens, layers)
         if cfg.compile:
             compile_token_local(module)
         module.config.use_cache = False

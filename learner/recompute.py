@@ -15,6 +15,11 @@ checkpointed function's owner (``fn.__self__``, the ``DecoderLayer`` of ``run(se
 numbered in order of first appearance, once for the wrapper's lifetime (the layer order is fixed), so every
 forward, and any recompute, decides alike for a layer.
 
+``layers = "auto"`` (`fitting_layers`) picks that number per row: the fewest layers whose predicted peak
+(``model.memory.learner_memory``, the learner's own states and the row's activations) stays under a share of the
+device's memory, all of them when none does. Rows are bucketed by length (16 buckets per power of two, rounded up),
+so the prediction runs once per bucket.
+
 The CP ranks of a row hold equal shards, so they decide alike (a recompute repeats the forward's collectives).
 Data-parallel replicas train different rows: under ZeRO-3, which gathers the parameters again for each recompute,
 the learner refuses it.
@@ -22,6 +27,7 @@ the learner refuses it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -29,23 +35,62 @@ import torch
 from learner.offload import row_tokens, wrap_checkpoint_fn
 
 
-def checkpoint_selected(checkpoint_fn: Callable[..., Any], min_tokens: int,
-                        layers: int | None = None) -> Callable[..., Any]:
+Layers = int | Callable[[int], int] | None  # how many layers to checkpoint: all (None), k, or k(T) per row
+
+
+def checkpoint_selected(checkpoint_fn: Callable[..., Any], min_tokens: int, layers: Layers = None) -> Callable[..., Any]:
     """``checkpoint_fn`` (``torch.utils.checkpoint.checkpoint``-like) for rows [B, T, D] with T >= ``min_tokens``
-    whose function's owner is one of the first ``layers`` owners seen (None: every one); ``fn(*args, **kwargs)``
-    without checkpointing otherwise."""
+    whose function's owner is one of the first ``layers`` owners seen (None: every one; a function: ``layers(T)``);
+    ``fn(*args, **kwargs)`` without checkpointing otherwise."""
     order: dict[Any, int] = {}  # owner (the decoder layer): its index in forward order, kept across forwards
 
     def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         index = order.setdefault(getattr(fn, "__self__", fn), len(order))
-        if row_tokens(args) < min_tokens or (layers is not None and index >= layers):
+        T = row_tokens(args)
+        k = layers(T) if callable(layers) else layers
+        if T < min_tokens or (k is not None and index >= k):
             return fn(*args, **kwargs)
         return checkpoint_fn(fn, *args, **kwargs)
 
     return run
 
 
-def install(module: torch.nn.Module, min_tokens: int, layers: int | None = None) -> int:
+def fitting_layers(predict: Callable[[int, int], int], num_layers: int, budget: int) -> Callable[[int], int]:
+    """T -> the fewest of ``num_layers`` layers to checkpoint so that ``predict(T, k)`` (peak bytes of a row of T
+    tokens with the first k layers checkpointed, falling in k) is at most ``budget``; ``num_layers`` if none fits.
+    T is rounded up to one of 16 buckets per power of two (at most 6.25% more), each searched once."""
+
+    @functools.lru_cache(maxsize=None)
+    def bucket(T: int) -> int:
+        lo, hi = 0, num_layers  # predict(T, hi) is the least; find the smallest k that fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if predict(T, mid) <= budget else (mid + 1, hi)
+        return lo
+
+    def layers(T: int) -> int:
+        step = max(1, 1 << max(0, T.bit_length() - 5))  # 16 buckets per power of two
+        return bucket(-(-T // step) * step)
+
+    return layers
+
+
+def auto_layers(config: Any, device: torch.device, fraction: float, **memory: Any) -> Callable[[int], int]:
+    """`fitting_layers` for the learner's model ``config`` (a row's tokens per rank as T; ``memory``: the other
+    arguments of ``model.memory.learner_memory``) under ``fraction`` of ``device``'s memory (host RAM on CPU)."""
+    from model.memory import learner_memory
+
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    return fitting_layers(lambda T, k: learner_memory(config, T, recompute_layers=k, **memory)["total"],
+                          config.num_hidden_layers, int(fraction * total))
+
+
+def install(module: torch.nn.Module, min_tokens: int, layers: Layers = None) -> int:
     """Checkpoint only rows of at least ``min_tokens`` tokens, and on them only the first ``layers`` decoder
     layers (None: all), in every checkpointing submodule; returns how many were wrapped. Install it after
     ``offload.install``, so it wraps the offload: a half it runs plainly must not be offloaded (its inputs are

@@ -174,15 +174,18 @@ def _actors(lay: StageLayout, name: str) -> str:
 
 
 def predicted_memory(cfg: RunConfig, lay: StageLayout, config: Any) -> dict[str, int] | None:
-    """`model.memory.learner_memory` for one rank of the stage's learner (None without a readable model)."""
+    """`model.memory.learner_memory` for one rank of the stage's learner (None without a readable model). With
+    ``recompute_layers: auto`` the rank's device is not known here: the prediction is the fully checkpointed row's,
+    the least a row can take (auto checkpoints fewer layers only where the device has room)."""
     if config is None:
         return None
     from model.memory import learner_memory
 
+    layers = cfg.learner.recompute_layers
     return learner_memory(config, lay.row_tokens, lay.stage.zero_stage, ranks=lay.ranks, cp=lay.cp,
                           bf16=cfg.learner.dtype == "bfloat16", checkpointing=lay.stage.gradient_checkpointing,
                           recompute_min_tokens=cfg.learner.recompute_min_tokens, compiled=cfg.learner.compile,
-                          recompute_layers=cfg.learner.recompute_layers)
+                          recompute_layers=None if layers == "auto" else layers)
 
 
 def render(cfg: RunConfig, stages: list[Stage], config_path: Path, cluster: Cluster | None, config: Any) -> str:
@@ -215,7 +218,9 @@ def render(cfg: RunConfig, stages: list[Stage], config_path: Path, cluster: Clus
         mem = predicted_memory(cfg, lay, config)
         if mem is not None:
             parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in mem.items() if k != "total")
-            lines.append(f"  predicted learner memory per rank: {mem['total'] / GIB:.1f} GiB ({parts})")
+            auto = (f"; recompute_layers auto: up to {cfg.learner.recompute_memory_fraction:g} of the device's "
+                    "memory" if cfg.learner.recompute_layers == "auto" else "")
+            lines.append(f"  predicted learner memory per rank: {mem['total'] / GIB:.1f} GiB ({parts}){auto}")
     return "\n".join(lines)
 
 

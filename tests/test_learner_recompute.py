@@ -78,8 +78,62 @@ def test_negative_recompute_min_tokens_is_rejected():
 def test_negative_recompute_layers_is_rejected():
     with pytest.raises(pydantic.ValidationError, match="recompute_layers"):
         LearnerSection(recompute_layers=-1)
+    with pytest.raises(pydantic.ValidationError, match="recompute_layers"):
+        LearnerSection(recompute_layers="some")
     assert LearnerSection().recompute_layers is None
     assert LearnerSection(recompute_layers=0).recompute_layers == 0
+    assert LearnerSection(recompute_layers="auto").recompute_layers == "auto"
+    with pytest.raises(pydantic.ValidationError, match="recompute_memory_fraction"):
+        LearnerSection(recompute_memory_fraction=1.5)
+
+
+def test_fitting_layers_checkpoints_the_fewest_layers_that_fit():
+    """A row's predicted peak falls with each layer checkpointed; ``fitting_layers`` picks the fewest that fit the
+    budget (all when none does), the same as a scan from 0, with T rounded up to 16 buckets per power of two."""
+    calls = []
+
+    def predict(T: int, k: int) -> int:  # 100 bytes of states, 12 layers keeping 10 - 9 * [checkpointed] per token
+        calls.append(T)
+        return 100 + T * (10 * 12 - 9 * k)
+
+    pick = recompute.fitting_layers(predict, 12, budget=100_000)
+    for T in (1, 700, 900, 1000, 1111, 4000, 10_000, 50_000):
+        bucket = -(-T // max(1, 1 << max(0, T.bit_length() - 5))) * max(1, 1 << max(0, T.bit_length() - 5))
+        want = next((k for k in range(13) if predict(bucket, k) <= 100_000), 12)
+        assert pick(T) == want, (T, bucket)
+        assert T <= bucket <= T * 17 / 16
+    assert pick(1) == 0 and pick(50_000) == 12  # a short row checkpoints nothing; a row that never fits, all
+    n = len(calls)
+    assert pick(1000) == pick(1001) and len(calls) == n  # one bucket: searched once
+
+
+def test_auto_layers_picks_per_row(one_thread):
+    """``layers`` as a function of the row's tokens: each row's mixers run twice for its own number of layers."""
+    model = _model()
+    recompute.install(model, min_tokens=0, layers=lambda T: 1 if T < 60 else 3)
+    runs = [0] * model.config.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    for lengths, k in (([20, 30], 1), ([40, 24], 3), ([20, 30], 1)):
+        runs[:] = [0] * len(runs)
+        _grads(model, *_row(lengths))
+        assert runs == [2] * k + [1] * (len(runs) - k), (lengths, runs)
+        model.zero_grad(set_to_none=True)
+
+
+def test_auto_learner_keeps_a_tiny_row_whole(tiny_marathon_dir, one_thread):
+    """``recompute_layers: auto`` in the learner: the tiny preset's rows fit many times over in host memory, so no
+    layer is checkpointed (each mixer runs once), and the update trains."""
+    from learner.engine import Learner
+
+    learner = Learner(tiny_marathon_dir, LearnerSection(micro_batch_tokens=256, gradient_checkpointing=True,
+                                                        recompute_layers="auto"))
+    calls = [0]
+    for layer in learner.module.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    stats = learner.train_rl(_samples([40, 60]))
+    assert calls[0] == learner.module.config.num_hidden_layers
+    assert stats["loss"] == stats["loss"]  # finite
 
 
 @pytest.mark.parametrize("k", [0, 2])

@@ -61,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-min-tokens", type=int, default=0,
                         help="rows of fewer tokens run without gradient checkpointing, no recompute in backward "
                              "(learner.recompute_min_tokens; learner/recompute.py; 0: every row checkpointed)")
-    parser.add_argument("--recompute-layers", type=int, default=None,
+    parser.add_argument("--recompute-layers", type=lambda x: x if x == "auto" else int(x), default=None,
                         help="on a checkpointed row, checkpoint only the first N decoder layers; the later ones keep "
-                             "their activations (learner.recompute_layers; default: every layer; 0: none)")
+                             "their activations (learner.recompute_layers; default: every layer; 0: none; auto: per "
+                             "row, the fewest whose predicted peak fits in 95%% of the device's memory)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -239,6 +240,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     import torch
 
     from configs.schema import LearnerSection, LossSection
+    from learner import recompute
     from learner.engine import Learner
     from model.config import MarathonConfig
     from model.memory import checkpointed_layers, learner_memory_bytes
@@ -271,6 +273,10 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     cases += [("single", T, [T]) for T in (int(x) for x in args.single.split(",") if x and int(x) > 0)]
     warm = _samples(_episodes(min(4096, cases[0][1]), 64, 2048, seed=1), config.vocab_size, seed=1)
     learner.train_rl(warm)  # compiles and autotunes the kernels
+    auto = None
+    if args.recompute_layers == "auto":  # the same choice as the learner's (learner/recompute.py)
+        auto = recompute.auto_layers(config, device, LearnerSection().recompute_memory_fraction,
+                                     bf16=device.type == "cuda", compiled=args.compile)
     last = None  # (model FLOPs, seconds) of the last case that ran
     non_embedding = counts["activated"] - counts["embeddings"]
     for kind, T, lengths in cases:
@@ -287,15 +293,16 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 save()
                 continue
         row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
+        layers = auto(row_tokens) if auto else args.recompute_layers  # what the learner's recompute picks
         recomputed = checkpointed_layers(config.num_hidden_layers, row_tokens, True, args.recompute_min_tokens,
-                                         args.recompute_layers)
+                                         layers)
         row["checkpointed"] = recomputed > 0
         if args.recompute_layers is not None:
             row["recomputed_layers"] = recomputed
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
         predicted = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True, offload=row["offload"],
                                          recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile,
-                                         recompute_layers=args.recompute_layers)
+                                         recompute_layers=layers)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -367,7 +374,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"Preset `{meta['preset']}`: {preset_note(meta['preset'])}. bf16 matmul peak measured in the "
              f"same run: {meta['peak_tflops']:.0f} TFLOP/s. One row = one `Learner.train_rl` call (GRPO, one "
              "optimizer step, gradient checkpointing"
-             + (f" of the first {k} decoder layer(s)" if (k := meta.get("recompute_layers")) is not None else "")
+             + ("" if (k := meta.get("recompute_layers")) is None else " of as few decoder layers as fit in memory"
+                if k == "auto" else f" of the first {k} decoder layer(s)")
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
              + (", token-local modules compiled" if meta.get("compile") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
