@@ -102,10 +102,11 @@ class Learner:
                 offload.install(module, cfg.offload_activations_tokens)
             # outermost: a half run without checkpointing must bypass the offload
             if cfg.recompute_min_tokens or cfg.recompute_layers is not None:
-                if zero_stage == 3 and self.layout.dp_size > 1:
-                    raise ValueError("learner.recompute_min_tokens / recompute_layers with zero_stage 3 and data "
-                                     "parallelism: replicas whose rows fall on either side of recompute_min_tokens "
-                                     "would gather different parameters (selective recompute is refused there)")
+                per_row = cfg.recompute_min_tokens or cfg.recompute_layers == "auto"  # decided by each row's length
+                if per_row and zero_stage == 3 and self.layout.dp_size > 1:
+                    raise ValueError("learner.recompute_min_tokens / recompute_layers: auto with zero_stage 3 and "
+                                     "data parallelism: replicas whose rows differ in length would recompute, and "
+                                     "so gather, different layers (a fixed recompute_layers: K is allowed)")
                 layers = cfg.recompute_layers
                 if layers == "auto":  # the memory model over this rank's states and each row's activations
                     layers = recompute.auto_layers(module.config, self.device, cfg.recompute_memory_fraction,

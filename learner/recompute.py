@@ -22,7 +22,8 @@ so the prediction runs once per bucket.
 
 The CP ranks of a row hold equal shards, so they decide alike (a recompute repeats the forward's collectives).
 Data-parallel replicas train different rows: under ZeRO-3, which gathers the parameters again for each recompute,
-the learner refuses it.
+the learner refuses the per-row choices (``min_tokens``, ``layers = "auto"``); a fixed ``layers`` recomputes the same
+layers on every replica and is allowed.
 """
 
 from __future__ import annotations

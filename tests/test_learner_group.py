@@ -125,3 +125,38 @@ def test_two_zero3_ranks_train_like_one(tiny_marathon_dir, tmp_path, one_rank, c
     # a checkpoint of another layout is refused by every rank, before any shard is read
     assert "written by 1 learner ranks (CP 1); this group has 2" in two[0]["refused"]
     assert "a checkpoint resumes with the group size it was written by" in two[1]["refused"]
+
+
+def _selective(rank, model_dir):
+    """One rank of a ZeRO-3 DP-2 group, three ways: a fixed recompute_layers (trains), recompute_layers: auto and
+    recompute_min_tokens (both refused: each replica would decide by its own rows)."""
+    torch.set_num_threads(1)
+    from configs.schema import LearnerSection, OptimizerSection
+    from learner.engine import Learner
+
+    out = {}
+    for name, kw in (("fixed", dict(recompute_layers=1)), ("auto", dict(recompute_layers="auto")),
+                     ("min_tokens", dict(recompute_min_tokens=100))):
+        cfg = LearnerSection(zero_stage=3, micro_batch_tokens=4096, gradient_checkpointing=True,
+                             optimizer=OptimizerSection(lr=LR), **kw)
+        try:
+            learner = Learner(model_dir, cfg, seed=0)
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        samples = _samples()
+        for s, lp in zip(samples, learner.sequence_logprobs(samples)):
+            s.logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask)]
+        out[name] = learner.train_rl(samples)["loss"]
+    return out
+
+
+def test_zero3_data_parallel_refuses_only_per_row_recompute(tiny_marathon_dir):
+    from learner.dist import spawn_ranks
+
+    ranks = spawn_ranks(_selective, 2, str(tiny_marathon_dir))
+    fixed = [r["fixed"] for r in ranks]
+    assert isinstance(fixed[0], float) and fixed[0] == fixed[0] and fixed[0] == fixed[1], fixed  # trained, finite
+    for r in ranks:
+        for name in ("auto", "min_tokens"):
+            assert "zero_stage 3 and data parallelism" in r[name], r[name]
