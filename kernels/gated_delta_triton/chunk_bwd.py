@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS
-from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _tile
+from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _flagged, _restart, _tile
 
 
 @triton.jit
@@ -51,11 +51,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
             f_nx = tl.load(chunk_flags + tl.maximum(i_t - 1, 0))
             s_nx = tl.load(chunk_seq + tl.maximum(i_t - 1, 0))
             p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            last = (o_s * 0 + (f_t & LAST)) != 0  # [K, BV]: the flag as a mask of the state's shape
-            if HAS_DHT:
-                b_dh = tl.where(last, tl.load(dht + p_n, mask=last, other=0.0), b_dh)
-            else:
-                b_dh = tl.where(last, 0.0, b_dh)
+            b_dh = _restart(b_dh, _flagged(o_s, f_t, LAST), dht, p_n, HAS_DHT)
         tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -70,7 +66,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags
         b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
         if VARLEN and STORE_DH0:
-            tl.store(dh0 + p_n, b_dh, mask=(o_s * 0 + (f_t & FIRST)) != 0)
+            tl.store(dh0 + p_n, b_dh, mask=_flagged(o_s, f_t, FIRST))
     if STORE_DH0 and not VARLEN:
         tl.store(dh0 + i_bh * K * V + o_s, b_dh)
 

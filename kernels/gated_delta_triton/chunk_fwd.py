@@ -6,7 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _diagonal_inverses16, _load16, _mm, _store16, _tile
+from kernels.gated_delta_triton.common import (BC, BT, FIRST, LAST, _diagonal_inverses16, _flagged, _load16, _mm,
+                                               _restart, _store16, _tile)
 
 
 @triton.jit
@@ -160,16 +161,12 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
         f_nx, s_nx = tl.load(chunk_flags), tl.load(chunk_seq)
     for i_t in range(NT):
         t0 = i_t * BT
-        if VARLEN:  # branch-free (masked loads and stores): a branch in the loop stops its software pipelining
+        if VARLEN:  # branch-free: masked loads and stores (`_restart`)
             f_t, s_t = f_nx, s_nx
             f_nx = tl.load(chunk_flags + tl.minimum(i_t + 1, NT - 1))
             s_nx = tl.load(chunk_seq + tl.minimum(i_t + 1, NT - 1))
             p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            first = (o_s * 0 + (f_t & FIRST)) != 0  # [K, BV]: the flag as a mask of the state's shape
-            if HAS_H0:
-                b_h = tl.where(first, tl.load(h0 + p_n, mask=first, other=0.0), b_h)
-            else:
-                b_h = tl.where(first, 0.0, b_h)
+            b_h = _restart(b_h, _flagged(o_s, f_t, FIRST), h0, p_n, HAS_H0)
         tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
         p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
         p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
@@ -181,7 +178,7 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, 
         tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
         b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
         if VARLEN and STORE_HT:
-            tl.store(ht + p_n, b_h, mask=(o_s * 0 + (f_t & LAST)) != 0)
+            tl.store(ht + p_n, b_h, mask=_flagged(o_s, f_t, LAST))
     if STORE_HT and not VARLEN:
         tl.store(ht + i_bh * K * V + o_s, b_h)
 

@@ -22,6 +22,23 @@ def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _flagged(o_s, f_t, FLAG: tl.constexpr):
+    """Chunk flag FLAG of ``f_t`` (a packed row's chunk_flags entry) as a mask of the shape of offsets ``o_s``."""
+    return (o_s * 0 + (f_t & FLAG)) != 0
+
+
+@triton.jit
+def _restart(b, first, init, p_n, HAS_INIT: tl.constexpr):
+    """A sequential kernel's carried block ``b``, restarted where mask ``first`` is set: from the block at
+    init + p_n (HAS_INIT; ``init`` may be None otherwise) or from zero. Branch-free (a masked load): a branch in
+    the loop stops its software pipelining."""
+    b_init = tl.zeros_like(b)
+    if HAS_INIT:
+        b_init = tl.load(init + p_n, mask=first, other=0.0)
+    return tl.where(first, b_init, b)
+
+
+@triton.jit
 def _load16(A, r0, c0, n, RS: tl.constexpr):
     o = tl.arange(0, 16)
     return tl.load(A + (r0 + o)[:, None] * RS + c0 + o[None, :], mask=((r0 + o) < n)[:, None], other=0.0)
