@@ -49,13 +49,14 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 25 "$OUT/$name.log"
 }
 
-warm_kernels() {  # warm_kernels SECONDS: compile the shape table's kernels, one process per shape and method, all at once
-    local i m n t0=$SECONDS limit pids=()
+warm_kernels() {  # warm_kernels SECONDS ROWS METHODS: compile the table's rows ROWS ("all", or indices) for each
+    # of METHODS (ours, fla), one process per row and method, all at once
+    local i m t0=$SECONDS limit rows=$2 pids=()
     limit=$(left "$1")
-    n=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(len(SHAPES))")
-    echo "=== warm kernels: $n shapes x (ours, fla) in parallel (limit ${limit}s)"
-    for ((i = 0; i < n; i++)); do  # autotune results stay uncached here: they were timed on a shared GPU
-        for m in ours fla; do
+    [[ $rows == all ]] && rows=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(*range(len(SHAPES)))")
+    echo "=== warm kernels: rows $rows x ($3) in parallel (limit ${limit}s)"
+    for i in $rows; do  # autotune results stay uncached here: they were timed on a shared GPU
+        for m in $3; do
             env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
                 --shapes --warm --shape-index "$i" --method $m --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-$m.log" 2>&1 &
             pids+=($!)
@@ -70,19 +71,7 @@ gpu_tests() {  # TESTS_FILES: a subset of the three files
         ${TESTS_FILES:-tests/test_kernels_gpu.py tests/test_model_gpu.py tests/test_model_varlen.py}
 }
 
-warm_ours() {  # warm_ours SECONDS: ours alone on the rows SHAPE_IDX of the table, one compile process per row
-    local i t0=$SECONDS limit pids=()
-    limit=$(left "$1")
-    for i in ${SHAPE_IDX:-2 3 6 7}; do
-        timeout --signal=INT "$limit" env -u TRITON_CACHE_AUTOTUNING python3 -m marathon.commands.bench_kernels \
-            --shapes --warm --shape-index "$i" --method ours --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-ours.log" 2>&1 &
-        pids+=($!)
-    done
-    wait "${pids[@]}"
-    echo "=== warm ours (${SHAPE_IDX:-2 3 6 7}): done after $((SECONDS - t0))s"
-}
-
-table_ours() {  # ours alone on the rows SHAPE_IDX, timed (after warm_ours, with nothing else on the GPU)
+table_ours() {  # ours alone on the rows SHAPE_IDX, timed (after their warm_kernels, nothing else on the GPU)
     local i idx=()
     for i in ${SHAPE_IDX:-2 3 6 7}; do idx+=(--shape-index "$i"); done
     step kernels-ours 120 python3 -m marathon.commands.bench_kernels --shapes "${idx[@]}" --method ours \
@@ -105,11 +94,11 @@ for group in "$@"; do
         gpu_tests ;;
     warm)  # the table's compiles and the GPU tests side by side: correctness only, nothing here is timed
         gpu_tests &
-        warm_kernels 520
+        warm_kernels 520 all "ours fla"
         wait ;;
     fixes)  # ours on the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests
         gpu_tests &
-        warm_ours 240
+        warm_kernels 240 "${SHAPE_IDX:-2 3 6 7}" ours
         wait  # the tests too: the table is timed alone
         table_ours ;;
     packed-profile)  # per-kernel device times of ours on a 64K row, whole and cut into the table's ragged episodes
@@ -121,11 +110,11 @@ for group in "$@"; do
                 --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 --out "$OUT/steady-partial-$n"
         done ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
-        warm_kernels 300
+        warm_kernels 300 all "ours fla"
         kernel_table ;;
     tests-kernels)  # both at once: the tests' workers and the table's compiles share the machine's 16 cores
         gpu_tests &
-        warm_kernels 300
+        warm_kernels 300 all "ours fla"
         wait
         kernel_table ;;
     head)
