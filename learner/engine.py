@@ -90,6 +90,7 @@ class Learner:
         self.micro_batch_tokens = micro_batch_tokens or cfg.micro_batch_tokens
         zero_stage = cfg.zero_stage if zero_stage is None else zero_stage
         self.device = learner_device()
+        self.recompute_layers: recompute.Layers = None  # the layers a checkpointed row recomputes (k, or k(T))
         config = ds_config(cfg, zero_stage)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         if zero_stage == 3:  # built under deepspeed.zero.Init: no rank materialises the whole model
@@ -107,12 +108,12 @@ class Learner:
                     raise ValueError("learner.recompute_min_tokens / recompute_layers: auto with zero_stage 3 and "
                                      "data parallelism: replicas whose rows differ in length would recompute, and "
                                      "so gather, different layers (a fixed recompute_layers: K is allowed)")
-                layers = cfg.recompute_layers
-                if layers == "auto":  # the memory model over this rank's states and each row's activations
-                    layers = recompute.auto_layers(module.config, self.device, cfg.recompute_memory_fraction,
-                                                   zero_stage=zero_stage, ranks=self.layout.world_size,
-                                                   bf16=dtype == torch.bfloat16, compiled=cfg.compile)
-                recompute.install(module, cfg.recompute_min_tokens, layers)
+                self.recompute_layers = cfg.recompute_layers
+                if cfg.recompute_layers == "auto":  # the memory model: this rank's states, each row's activations
+                    self.recompute_layers = recompute.auto_layers(
+                        module.config, self.device, cfg.recompute_memory_fraction, zero_stage=zero_stage,
+                        ranks=self.layout.world_size, bf16=dtype == torch.bfloat16, compiled=cfg.compile)
+                recompute.install(module, cfg.recompute_min_tokens, self.recompute_layers)
         if cfg.compile:
             compile_token_local(module)
         module.config.use_cache = False

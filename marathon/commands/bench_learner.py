@@ -240,7 +240,6 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     import torch
 
     from configs.schema import LearnerSection, LossSection
-    from learner import recompute
     from learner.engine import Learner
     from model.config import MarathonConfig
     from model.memory import checkpointed_layers, learner_memory_bytes
@@ -273,10 +272,6 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
     cases += [("single", T, [T]) for T in (int(x) for x in args.single.split(",") if x and int(x) > 0)]
     warm = _samples(_episodes(min(4096, cases[0][1]), 64, 2048, seed=1), config.vocab_size, seed=1)
     learner.train_rl(warm)  # compiles and autotunes the kernels
-    auto = None
-    if args.recompute_layers == "auto":  # the same choice as the learner's (learner/recompute.py)
-        auto = recompute.auto_layers(config, device, LearnerSection().recompute_memory_fraction,
-                                     bf16=device.type == "cuda", compiled=args.compile)
     last = None  # (model FLOPs, seconds) of the last case that ran
     non_embedding = counts["activated"] - counts["embeddings"]
     for kind, T, lengths in cases:
@@ -293,7 +288,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 save()
                 continue
         row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
-        layers = auto(row_tokens) if auto else args.recompute_layers  # what the learner's recompute picks
+        choice = learner.recompute_layers  # the learner's own: k, or k(T) under auto
+        layers = choice(row_tokens) if callable(choice) else choice
         recomputed = checkpointed_layers(config.num_hidden_layers, row_tokens, True, args.recompute_min_tokens,
                                          layers)
         row["checkpointed"] = recomputed > 0
