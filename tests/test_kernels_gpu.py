@@ -90,10 +90,15 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     inputs = make_inputs(1, 300, 2, 128, 128, seed=i)
     rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]
     ref = run(recurrent_gated_delta_rule, rounded, torch.float64, "graph")
+    cu = torch.tensor([0, 1, 64, 129, 300], device="cuda")  # the same tokens as a packed row (its own kernels)
+    packed_inputs = [*inputs[:5], torch.randn(4, 2, 128, 128, device="cuda")]
+    packed_ref = per_sequence_reference(packed_inputs, cu, dtype)
     try:
         for kern, configs in kernels.items():
             kern.configs, kern.cache = [configs[i % len(configs)]], {}
         out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
+        packed_out = run(lambda *xs, **kw: gdt.chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw),
+                         packed_inputs, dtype, "fused")
     except triton.runtime.errors.OutOfResources as e:
         if dtype != torch.float32:
             raise
@@ -101,19 +106,10 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     finally:
         for kern, configs in kernels.items():
             kern.configs, kern.cache = configs, {}
-    for name, a, b in zip(NAMES, out, ref):
-        assert torch.isfinite(a).all(), name
-        assert rel(a, b) < tol, (name, rel(a, b))
-
-
-def test_chunk_triton_refuses_unsafe_inputs():
-    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
-
-    q, k, v, raw, beta, _ = make_inputs(1, 64, 1, 64, 64, seed=0)
-    with pytest.raises(ValueError, match="log-decay below"):
-        chunk_gated_delta_rule_triton(q, k, v, -F.softplus(raw) - 6, beta)
-    with pytest.raises(ValueError, match="head dim K=32"):  # bf16 gradients went non-finite at K = 32
-        chunk_gated_delta_rule_triton(q[..., :32], k[..., :32], v, raw[..., :32], beta, gate_lower_bound=-5.0)
+    for row, (got, want) in (("row", (out, ref)), ("packed", (packed_out, packed_ref))):
+        for name, a, b in zip(NAMES, got, want):
+            assert torch.isfinite(a).all(), (row, name)
+            assert rel(a, b) < tol, (row, name, rel(a, b))
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -206,9 +202,24 @@ def fused_kernel_matches_recurrent(inputs, dtype, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65])
 def test_short_sequences(T, dtype, tol):
-    """Lengths below and around one chunk. In bf16 a one-chunk row faulted in the state kernel on the H200
-    (Triton 3.6) until rows shorter than MIN_CHUNKS chunks were padded with no-op chunks."""
+    """Lengths below and around one chunk. In bf16 a one-chunk row once faulted in the state kernel on the H200
+    (Triton 3.6); the state passes now take at least MIN_STEPS steps per sequence."""
     fused_kernel_matches_recurrent(make_inputs(2, T, 2, 64, 64, seed=T), dtype, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_packed_short_sequences(dtype, tol):
+    """The short lengths as one packed row: every sequence is its own program of the state passes."""
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    lengths = [1, 2, 63, 64, 65]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v, raw, beta, _ = make_inputs(1, int(cu[-1]), 2, 64, 64, seed=11)
+    inputs = [q, k, v, raw, beta, torch.randn(len(lengths), 2, 64, 64, device="cuda")]
+    out = run(lambda *xs, **kw: chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw), inputs, dtype, "fused")
+    for name, a, b in zip(NAMES, out, per_sequence_reference(inputs, cu, dtype)):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])

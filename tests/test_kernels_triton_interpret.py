@@ -68,14 +68,15 @@ print(json.dumps({n: ((a.double() - b).norm() / b.norm()).item() if torch.isfini
 
 
 @pytest.mark.parametrize("B, T, H, K, V, BV, BK, fused, lengths", [
-    (2, 150, 2, 64, 64, 32, 64, True, None),      # ragged last chunk (padded to whole chunks), two rows
+    (2, 150, 2, 64, 64, 32, 64, True, None),      # ragged last chunk, two rows
     (1, 200, 2, 128, 128, 16, 32, False, None),   # K = V = 128, narrowest slices, gate applied outside
     (1, 64, 1, 128, 128, 64, 16, True, None),     # exactly one chunk, narrowest K-slices
     (3, 1, 1, 64, 64, 64, 64, True, None),        # one token
-    (1, 0, 2, 64, 64, 32, 64, True, [1, 63, 65, 2, 128, 30]),  # packed row: ragged sequences, state resets
-    (1, 0, 1, 64, 64, 64, 32, False, [64, 128, 64]),  # packed row of aligned sequences (no re-layout)
-    (1, 0, 1, 64, 64, 16, 64, True, [1, 2]),      # packed row of two chunks: a no-op chunk after the last (MIN_CHUNKS)
-    (1, 0, 1, 256, 256, 16, 64, True, [70, 60]),  # K = V = 256: the state kernels' four row blocks, packed
+    (1, 0, 2, 64, 64, 32, 64, True, [1, 63, 65, 2, 128, 30]),  # packed row: ragged sequences, own states
+    (1, 0, 1, 64, 64, 64, 32, False, [64, 128, 64]),  # packed row of aligned sequences
+    (1, 0, 1, 64, 64, 16, 64, True, [1, 2]),      # one-chunk sequences: the state passes' MIN_STEPS repeats
+    (1, 0, 1, 64, 64, 64, 64, True, [1, 63, 65, 1000, 4097]),  # the issue's ragged row (45 s)
+    (1, 0, 1, 256, 256, 16, 64, True, [70, 60]),  # K = V = 256, packed
 ])
 def test_triton_kernels_match_reference_in_interpreter(B, T, H, K, V, BV, BK, fused, lengths):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -66,48 +66,62 @@ def main(dtype: str) -> int:
     def ptrs(names: str, t: str = x) -> dict:
         return {n: t for n in names.split()}
 
-    ok = [
-        report("gate_cumsum", gdt._gate_cumsum_kernel, {**ptrs("g"), **ptrs("G", f32), "lower_bound": "fp32", **INTS},
-               dict(H=H, K=K, GATE=True)),
-        report("pair_matrices", gdt._pair_matrices_kernel, {**ptrs("q k beta"), **ptrs("G Aqk Akk", f32),
-               "scale": "fp32", **INTS}, dict(H=H, K=K, PREC=prec)),
-        report("solve_wy", gdt._solve_wy_kernel, {**ptrs("q k v beta w u kd qg"), **ptrs("G Akk Tinv", f32),
-               "scale": "fp32", **INTS}, dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec)),
-        report("output", gdt._output_kernel, {**ptrs("qg h U o"), **ptrs("Aqk", f32), **INTS},
-               dict(H=H, K=K, V=V, BV=64, PREC=prec)),
-        report("bwd_intra_dU", gdt._bwd_intra_dU_kernel, {**ptrs("do"), **ptrs("Aqk dU", f32), **INTS},
-               dict(H=H, V=V, BV=64, PREC=prec)),
-        report("bwd_value", gdt._bwd_value_kernel, {**ptrs("v beta U do dv"), **ptrs("Tinv dU dAqk dT dbeta", f32),
-               **INTS}, dict(H=H, V=V, BV=64, PREC=prec)),
-        report("bwd_state_side", gdt._bwd_state_side_kernel, {**ptrs("q k beta h dh U do"),
-               **ptrs("G Tinv dU dq_p dk_p dG_p dT dbeta", f32), "scale": "fp32", **INTS},
-               dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec)),
-        report("bwd_dAkk", gdt._bwd_dAkk_kernel, {**ptrs("Tinv dT", f32), **INTS}, dict(H=H, PREC=prec)),
-        report("bwd_gate", gdt._bwd_gate_kernel, {**ptrs("g"), **ptrs("dG dg", f32), "lower_bound": "fp32", **INTS},
-               dict(H=H, K=K, BK=64, GATE=True)),
-        report("decode_step", gdt._decode_step_kernel, {**ptrs("q k v g beta state o new_state", f32),
-               "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)),
-    ]
-    chunks = ptrs("chunk_seq chunk_flags", "*i32")
+    rows = {"chunk_rows": "*i32"}
+    ok = []
+    for varlen in (False, True):  # whole rows, packed rows (their chunk table)
+        var = dict(VARLEN=varlen, **({} if varlen else dict(chunk_rows=None)))  # None: a constexpr, as at run time
+        tag = " varlen" if varlen else ""
+        ok += [
+            report("gate_cumsum" + tag, gdt._gate_cumsum_kernel, {**ptrs("g"), **ptrs("G", f32), "lower_bound": "fp32",
+                   **rows, **INTS}, dict(H=H, K=K, GATE=True, **var)),
+            report("pair_matrices" + tag, gdt._pair_matrices_kernel, {**ptrs("q k beta"), **ptrs("G Aqk Akk", f32),
+                   "scale": "fp32", **rows, **INTS}, dict(H=H, K=K, PREC=prec, **var)),
+            report("solve_wy" + tag, gdt._solve_wy_kernel, {**ptrs("q k v beta w u kd qg"),
+                   **ptrs("G Akk Tinv", f32), "scale": "fp32", **rows, **INTS},
+                   dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec, **var)),
+            report("output" + tag, gdt._output_kernel, {**ptrs("qg h U o"), **ptrs("Aqk", f32), **rows, **INTS},
+                   dict(H=H, K=K, V=V, BV=64, PREC=prec, **var)),
+            report("bwd_intra_dU" + tag, gdt._bwd_intra_dU_kernel, {**ptrs("do"), **ptrs("Aqk dU", f32), **rows,
+                   **INTS}, dict(H=H, V=V, BV=64, PREC=prec, **var)),
+            report("bwd_value" + tag, gdt._bwd_value_kernel, {**ptrs("v beta U do dv"),
+                   **ptrs("Tinv dU dAqk dT dbeta", f32), **rows, **INTS}, dict(H=H, V=V, BV=64, PREC=prec, **var)),
+            report("bwd_state_side" + tag, gdt._bwd_state_side_kernel, {**ptrs("q k beta h dh U do"),
+                   **ptrs("G Tinv dU dq_p dk_p dG_p dT dbeta", f32), "scale": "fp32", **rows, **INTS},
+                   dict(H=H, K=K, V=V, BK=64, BV=64, PREC=prec, **var)),
+            report("bwd_dAkk" + tag, gdt._bwd_dAkk_kernel, {**ptrs("Tinv dT", f32), **rows, **INTS},
+                   dict(H=H, PREC=prec, **var)),
+            report("bwd_gate" + tag, gdt._bwd_gate_kernel, {**ptrs("g"), **ptrs("dG dg", f32), "lower_bound": "fp32",
+                   **rows, **INTS}, dict(H=H, K=K, BK=64, GATE=True, **var)),
+        ]
+    ok.append(report("decode_step", gdt._decode_step_kernel, {**ptrs("q k v g beta state o new_state", f32),
+                     "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)))
+    seqs = ptrs("cu_seqlens seq_chunks", "*i32")
     # whole rows with initial / final states (the tests), packed rows with them, packed rows without (training)
     for c, varlen, st in ((c, v, st) for c in gdt.STATE_CONFIGS for v, st in ((False, True), (True, True),
                                                                              (True, False))):
         tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}" + (" varlen" if varlen else "") + \
             ("" if st else " no-states")
-        # a kernel argument that is None (no initial state) is a constexpr None to the compiler
+        # a kernel argument that is None (no initial state, a whole row's sequence table) is a constexpr None
+        unused = ({} if st else dict(h0=None, ht=None, dht=None, dh0=None)) | \
+            ({} if varlen else dict(cu_seqlens=None, seq_chunks=None))
+        fwd_unused = {n: None for n in ("h0", "ht", "cu_seqlens", "seq_chunks") if n in unused}
+        bwd_unused = {n: None for n in ("dht", "dh0", "cu_seqlens", "seq_chunks") if n in unused}
         ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
-                         **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=st, STORE_HT=st,
-                                                 VARLEN=varlen, PREC=prec, **({} if st else dict(h0=None, ht=None))),
+                         **seqs, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=st, STORE_HT=st,
+                                                 VARLEN=varlen, PREC=prec, **fwd_unused),
                          c.num_warps, c.num_stages))
         ok.append(report(f"state_bwd {tag}", gdt._state_bwd_kernel, {**ptrs("qg kd w do dh"),
-                         **ptrs("G dU dht dh0", f32), **chunks, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"],
-                         HAS_DHT=st, STORE_DH0=st, VARLEN=varlen, PREC=prec,
-                         **({} if st else dict(dht=None, dh0=None))), c.num_warps, c.num_stages))
+                         **ptrs("G dU dht dh0", f32), **seqs, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"],
+                         HAS_DHT=st, STORE_DH0=st, VARLEN=varlen, PREC=prec, **bwd_unused),
+                         c.num_warps, c.num_stages))
     for c in gdt.PAIR_CONFIGS:
         tag = f"BK{c.kwargs['BK']} w{c.num_warps} s{c.num_stages}"
-        ok.append(report(f"bwd_pair {tag}", gdt._bwd_pair_kernel, {**ptrs("q k beta dq dk"),
-                         **ptrs("G dAkk dAqk dq_p dk_p dG dbeta", f32), "scale": "fp32", **INTS},
-                         dict(H=H, K=K, BK=c.kwargs["BK"], PREC=prec), c.num_warps, c.num_stages))
+        for varlen in (False, True):
+            ok.append(report(f"bwd_pair {tag}" + (" varlen" if varlen else ""), gdt._bwd_pair_kernel,
+                             {**ptrs("q k beta dq dk"), **ptrs("G dAkk dAqk dq_p dk_p dG dbeta", f32),
+                              "scale": "fp32", **rows, **INTS},
+                             dict(H=H, K=K, BK=c.kwargs["BK"], PREC=prec, VARLEN=varlen,
+                                  **({} if varlen else dict(chunk_rows=None))), c.num_warps, c.num_stages))
     return 0 if all(ok) else 1
 
 

@@ -7,17 +7,18 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS
-from kernels.gated_delta_triton.common import BC, BT, FIRST, LAST, _flagged, _restart, _tile
+from kernels.gated_delta_triton.common import BC, BT, MIN_STEPS, _chunk_rows, _sequence, _tile
 
 
 @triton.jit
-def _bwd_intra_dU_kernel(Aqk, do, dU, T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _bwd_intra_dU_kernel(Aqk, do, dU, T, chunk_rows, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                         PREC: tl.constexpr, VARLEN: tl.constexpr):
     """dU = Aqk^T dO: the part of dU that does not depend on the state gradient (fp32 [B, T, H, V])."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    p_A, m_t = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, T, H * BT, 0, BT, BT)
-    p_y, _ = _tile((i_b * T * H + i_h) * V, t0, T, H * V, i_v * BV, BT, BV)
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    p_A, m_t = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, t1, H * BT, 0, BT, BT)
+    p_y, _ = _tile((i_b * T * H + i_h) * V, t0, t1, H * V, i_v * BV, BT, BV)
     b_dU = tl.dot(tl.trans(tl.load(p_A, mask=m_t, other=0.0).to(do.dtype.element_ty)),
                   tl.load(do + p_y, mask=m_t, other=0.0), input_precision=PREC)
     tl.store(dU + p_y, b_dU, mask=m_t)
@@ -25,72 +26,67 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, H: tl.constexpr, V: tl.constexpr, BV: t
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
 @triton.jit
-def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, chunk_seq, chunk_flags, T, NT, H: tl.constexpr,
+def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, cu_seqlens, seq_chunks, T, NT, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """Reverse sequential pass. dh[n] = dL/d(state at the end of chunk n) [B, NT, H, K, V];
-    dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
-    VARLEN: the state gradient restarts from the sequence's dht (or zero) at its LAST chunk and is stored as
-    its dh0 after its FIRST chunk."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    """Reverse sequential pass over one sequence's chunks. dh[n] = dL/d(state at the end of chunk n)
+    [B, NT, H, K, V]; dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
+    Each sequence starts from its dht row (or zero) and ends at its dh0 row, as in _state_fwd_kernel."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_b, bos, eos, c0, nc = _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN)
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
-    if HAS_DHT and not VARLEN:
-        b_dh = tl.load(dht + i_bh * K * V + o_s)
-    if VARLEN:  # flags and sequence one step ahead, as in _state_fwd_kernel
-        f_nx, s_nx = tl.load(chunk_flags + NT - 1), tl.load(chunk_seq + NT - 1)
-    for i_r in range(NT):
-        i_t = NT - 1 - i_r
-        t0 = i_t * BT
-        if VARLEN:  # branch-free, as in _state_fwd_kernel
-            f_t, s_t = f_nx, s_nx
-            f_nx = tl.load(chunk_flags + tl.maximum(i_t - 1, 0))
-            s_nx = tl.load(chunk_seq + tl.maximum(i_t - 1, 0))
-            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            b_dh = _restart(b_dh, _flagged(o_s, f_t, LAST), dht, p_n, HAS_DHT)
-        tl.store(dh + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty))
-        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
-        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+    if HAS_DHT:
+        b_dh = tl.load(dht + i_nh * K * V + o_s)
+    for i_r in range(tl.maximum(nc, MIN_STEPS)):
+        # steps past the first chunk repeat it, storing and carrying nothing (MIN_STEPS)
+        live = tl.full([1, 1], i_r, tl.int32) < nc
+        j = nc - 1 - tl.minimum(i_r, nc - 1)
+        t0 = bos + j * BT
+        t1 = tl.minimum(t0 + BT, eos)
+        tl.store(dh + ((i_b * NT + c0 + j) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty),
+                 mask=live)
+        p_x, m_t = _tile(kb, t0, t1, H * K, 0, BT, K)
+        p_y, m_y = _tile(vb, t0, t1, H * V, i_v * BV, BT, BV)
         b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)  # [BT, K]
         b_qg = tl.load(qg + p_x, mask=m_t, other=0.0)
         b_w = tl.load(w + p_x, mask=m_t, other=0.0)
         b_do = tl.load(do + p_y, mask=m_y, other=0.0)  # [BT, BV]
-        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_GL = tl.load(G + kb + (t1 - 1) * H * K + o_k)  # [K]
         b_dU = tl.load(dU + p_y, mask=m_y, other=0.0)
         b_dU += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(dU + p_y, b_dU, mask=m_y)
-        b_dh = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
-        b_dh -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
-        if VARLEN and STORE_DH0:
-            tl.store(dh0 + p_n, b_dh, mask=_flagged(o_s, f_t, FIRST))
-    if STORE_DH0 and not VARLEN:
-        tl.store(dh0 + i_bh * K * V + o_s, b_dh)
+        tl.store(dU + p_y, b_dU, mask=m_y & live)
+        b_new = b_dh * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype), input_precision=PREC)
+        b_new -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
+        b_dh = tl.where(live, b_new, b_dh)
+    if STORE_DH0:
+        tl.store(dh0 + i_nh * K * V + o_s, b_dh)
 
 
 @triton.jit
-def _bwd_value_kernel(v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, H: tl.constexpr, V: tl.constexpr,
-                      BV: tl.constexpr, PREC: tl.constexpr):
+def _bwd_value_kernel(v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, chunk_rows, H: tl.constexpr,
+                      V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk: dAqk = dO U^T (masked i <= t), dT = dU (beta v)^T, dv = beta Tinv^T dU,
     dbeta = sum_v (Tinv^T dU) v. Writes dT and dbeta (later kernels add to them)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
     o_i = tl.arange(0, BT)
-    m_t = (t0 + o_i) < T
+    m_t = (t0 + o_i) < t1
     vb = (i_b * T * H + i_h) * V
     ab = (i_b * T * H + i_h) * BT
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p_A, m_a = _tile(ab, t0, T, H * BT, 0, BT, BT)
+    p_A, m_a = _tile(ab, t0, t1, H * BT, 0, BT, BT)
     b_Tt = tl.trans(tl.load(Tinv + p_A, mask=m_a, other=0.0)).to(v.dtype.element_ty)  # Tinv^T
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for i_v in tl.static_range(V // BV):
-        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        p_y, m_y = _tile(vb, t0, t1, H * V, i_v * BV, BT, BV)
         b_v = tl.load(v + p_y, mask=m_y, other=0.0)
         b_dU = tl.load(dU + p_y, mask=m_y, other=0.0).to(v.dtype.element_ty)  # fp32 -> operand dtype
         b_dA += tl.dot(tl.load(do + p_y, mask=m_y, other=0.0), tl.trans(tl.load(U + p_y, mask=m_y, other=0.0)),
@@ -107,17 +103,17 @@ def _bwd_value_kernel(v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, H: tl.co
 
 @triton.jit
 def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG_p, dT, dbeta, scale, T, NT,
-                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           PREC: tl.constexpr):
+                           chunk_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and K-slice, the gradients that flow through the states: dQg = dO S^T, dw = -dU S^T,
     dKd = U dS'^T, the decay of S, and the WY input x = beta k exp(G) (dx = Tinv^T dw, dT += dw x^T).
     Writes partial dq, dk, dG [B, T, H, K] fp32; adds into dT and dbeta."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
     o_i = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_t = (t0 + o_i) < T
+    m_t = (t0 + o_i) < t1
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     ab = (i_b * T * H + i_h) * BT
@@ -131,17 +127,17 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
         p_s = hb + o_v[:, None] + o_k[None, :] * V  # S^T [BV, BK] of the [K, V] state
         b_h = tl.load(h + p_s)
         b_dh = tl.load(dh + p_s)
-        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+        p_y, m_y = _tile(vb, t0, t1, H * V, i_v * BV, BT, BV)
         b_dqg += tl.dot(tl.load(do + p_y, mask=m_y, other=0.0), b_h.to(do.dtype.element_ty), input_precision=PREC)
         b_dw -= tl.dot(tl.load(dU + p_y, mask=m_y, other=0.0).to(do.dtype.element_ty), b_h.to(do.dtype.element_ty),
                        input_precision=PREC)
         b_dkd += tl.dot(tl.load(U + p_y, mask=m_y, other=0.0), b_dh.to(U.dtype.element_ty), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
-    p_x, m_x = _tile(kb, t0, T, H * K, i_k * BK, BT, BK)
+    p_x, m_x = _tile(kb, t0, t1, H * K, i_k * BK, BT, BK)
     b_q = tl.load(q + p_x, mask=m_x, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_x, mask=m_x, other=0.0).to(tl.float32)
     b_G = tl.load(G + p_x, mask=m_x, other=0.0)
-    last = tl.minimum(t0 + BT, T) - 1
+    last = t1 - 1
     b_GL = tl.load(G + kb + last * H * K + o_k)  # [BK]
     b_eG = tl.exp(b_G)
     b_dq = scale * b_eG * b_dqg
@@ -151,7 +147,7 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
     b_dGL = tl.sum(b_dk * b_k, 0) + tl.exp(b_GL) * b_hdh  # [BK] grad of G_L
     # WY input x = beta k exp(G)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p_A, m_a = _tile(ab, t0, T, H * BT, 0, BT, BT)
+    p_A, m_a = _tile(ab, t0, t1, H * BT, 0, BT, BT)
     b_T = tl.load(Tinv + p_A, mask=m_a, other=0.0)
     b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)  # [BT, BK]
     b_ke = b_k * b_eG
@@ -167,13 +163,13 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
 
 
 @triton.jit
-def _bwd_dAkk_kernel(Tinv, dT, T, H: tl.constexpr, PREC: tl.constexpr):
+def _bwd_dAkk_kernel(Tinv, dT, T, chunk_rows, H: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """dAkk = -Tinv^T dT Tinv^T (strictly lower), written over dT [B, T, H, BT] fp32, one chunk per program."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
     o_i = tl.arange(0, BT)
-    m_t = (t0 + o_i) < T
+    m_t = (t0 + o_i) < t1
     p_A = (i_b * T * H + i_h) * BT + (t0 + o_i)[:, None] * H * BT + o_i[None, :]
     b_T = tl.load(Tinv + p_A, mask=m_t[:, None], other=0.0)
     b_d = tl.dot(tl.load(dT + p_A, mask=m_t[:, None], other=0.0), tl.trans(b_T), input_precision=PREC)
@@ -188,8 +184,8 @@ PAIR_CONFIGS = [triton.Config({"BK": bk}, num_warps=nw, num_stages=ns) for bk in
 
 @triton.autotune(configs=PAIR_CONFIGS, key=["H", "K"], restore_value=["dbeta", "dG"])
 @triton.jit
-def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, scale, T, H: tl.constexpr,
-                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, scale, T, chunk_rows,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The pair terms of Aqk and Akk for one 16-row sub-tile i and one K-slice, as [16, 16] x [16, BK] products
     with fp32 operands (tf32 for 16-bit inputs: the gate gradient is a difference of nearly equal terms):
     rows side over the key blocks j <= i (dq, d(beta k) of the sub-tile's rows, reference = its first row),
@@ -200,8 +196,8 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
     NC: tl.constexpr = BT // BC
     i_k, i_i = i_kc // NC, i_kc % NC
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    n = T - t0  # valid rows from the chunk's start
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    n = t1 - t0  # valid rows of the chunk
     r0 = i_i * BC  # the sub-tile's first row inside the chunk
     if r0 >= n:
         return
@@ -209,7 +205,7 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
     o_k = i_k * BK + tl.arange(0, BK)
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
-    p_c, m_c = _tile(kb, t0 + r0, T, H * K, i_k * BK, BC, BK)  # this sub-tile's rows  [BC, BK]
+    p_c, m_c = _tile(kb, t0 + r0, t1, H * K, i_k * BK, BC, BK)  # this sub-tile's rows  [BC, BK]
     b_Gc = tl.load(G + p_c, mask=m_c, other=0.0)
     b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [BK]
     b_Gl = tl.load(G + kb + (t0 + tl.minimum(r0 + BC, n) - 1) * H * K + o_k)
@@ -217,10 +213,10 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_dbk = tl.zeros([BC, BK], dtype=tl.float32)
     for i_j in range(0, i_i + 1):
-        p_j, m_j = _tile(kb, t0 + i_j * BC, T, H * K, i_k * BK, BC, BK)
+        p_j, m_j = _tile(kb, t0 + i_j * BC, t1, H * K, i_k * BK, BC, BK)
         b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
         b_kj *= tl.exp(tl.where(m_j, b_Gr[None, :] - tl.load(G + p_j, mask=m_j, other=0.0), 0.0))
-        p_a, _ = _tile(ab, t0 + r0, T, H * BT, i_j * BC, BC, BC)  # dA[rows of i, keys of j]  [BC, BC]
+        p_a, _ = _tile(ab, t0 + r0, t1, H * BT, i_j * BC, BC, BC)  # dA[rows of i, keys of j]  [BC, BC]
         b_dq += tl.dot(tl.load(dAqk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
         b_dbk += tl.dot(tl.load(dAkk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
     f_r = tl.exp(tl.where(m_c, b_Gc - b_Gr[None, :], 0.0))  # <= 1
@@ -230,12 +226,12 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
     b_dkc = tl.zeros([BC, BK], dtype=tl.float32)
     for i_j in range(i_i, tl.minimum(NC, tl.cdiv(n, BC))):
         r_j = t0 + i_j * BC
-        p_j, m_j = _tile(kb, r_j, T, H * K, i_k * BK, BC, BK)
+        p_j, m_j = _tile(kb, r_j, t1, H * K, i_k * BK, BC, BK)
         f_j = tl.exp(tl.where(m_j, tl.load(G + p_j, mask=m_j, other=0.0) - b_Gl[None, :], 0.0))
-        b_bj = tl.load(beta + (i_b * T + r_j + o_c) * H + i_h, mask=(r_j + o_c) < T, other=0.0).to(tl.float32)
+        b_bj = tl.load(beta + (i_b * T + r_j + o_c) * H + i_h, mask=(r_j + o_c) < t1, other=0.0).to(tl.float32)
         b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * scale
         b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * b_bj[:, None]
-        p_a, m_a = _tile(ab, r_j, T, H * BT, r0, BC, BC)  # dA[rows of j, keys of i]  [BC, BC]
+        p_a, m_a = _tile(ab, r_j, t1, H * BT, r0, BC, BC)  # dA[rows of j, keys of i]  [BC, BC]
         b_dkc += tl.dot(tl.trans(tl.load(dAqk + p_a, mask=m_a, other=0.0)), b_qj, input_precision=PREC)
         b_dkc += tl.dot(tl.trans(tl.load(dAkk + p_a, mask=m_a, other=0.0)), b_kj, input_precision=PREC)
     b_dkc *= tl.exp(tl.where(m_c, b_Gl[None, :] - b_Gc, 0.0))  # <= 1
@@ -252,13 +248,14 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
 
 
 @triton.jit
-def _bwd_gate_kernel(g, dG, dg, lower_bound, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                     GATE: tl.constexpr):
+def _bwd_gate_kernel(g, dG, dg, lower_bound, T, chunk_rows, H: tl.constexpr, K: tl.constexpr,
+                     BK: tl.constexpr, GATE: tl.constexpr, VARLEN: tl.constexpr):
     """dg = reverse cumsum of dG over the chunk (times the gate's derivative lower_bound * s (1 - s) when GATE),
     one chunk and K-slice per program; the backward of _gate_cumsum_kernel."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    p_x, m_t = _tile((i_b * T * H + i_h) * K, i_t * BT, T, H * K, i_k * BK, BT, BK)
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    p_x, m_t = _tile((i_b * T * H + i_h) * K, t0, t1, H * K, i_k * BK, BT, BK)
     b_dG = tl.load(dG + p_x, mask=m_t, other=0.0)  # [BT, BK]
     b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
     if GATE:

@@ -6,17 +6,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gated_delta_triton.common import (BC, BT, FIRST, LAST, _diagonal_inverses16, _flagged, _load16, _mm,
-                                               _restart, _store16, _tile)
+from kernels.gated_delta_triton.common import (BC, BT, MIN_STEPS, _chunk_rows, _diagonal_inverses16, _load16, _mm,
+                                               _sequence, _store16, _tile)
 
 
 @triton.jit
-def _gate_cumsum_kernel(g, G, lower_bound, T, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
+def _gate_cumsum_kernel(g, G, lower_bound, T, chunk_rows, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """G[chunk] = cumsum over the chunk of g (or of lower_bound * sigmoid(g) when GATE). [BT, K] fp32."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     kb = (i_b * T * H + i_h) * K
-    p_x, m_t = _tile(kb, i_t * BT, T, H * K, 0, BT, K)
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    p_x, m_t = _tile(kb, t0, t1, H * K, 0, BT, K)
     b_g = tl.load(g + p_x, mask=m_t, other=0.0).to(tl.float32)  # [BT, K]
     if GATE:
         b_g = tl.where(m_t, lower_bound * tl.sigmoid(b_g), 0.0)
@@ -24,25 +26,26 @@ def _gate_cumsum_kernel(g, G, lower_bound, T, H: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, H: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
+def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, chunk_rows, H: tl.constexpr, K: tl.constexpr,
+                          PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Aqk [BT, BT] (incl. diagonal, times scale) and Akk [BT, BT] (strictly lower, times beta_i), one
     16-row sub-tile at a time with reference row r = first row of the sub-tile. fp32 operands (tf32 on
     the tensor cores for 16-bit inputs): the decay factors span e^{+-75} inside a sub-tile."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
     o_j = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    p_x, m_j = _tile(kb, t0, T, H * K, 0, BT, K)  # offsets of all rows of the chunk
+    p_x, m_j = _tile(kb, t0, t1, H * K, 0, BT, K)  # offsets of all rows of the chunk
     b_k = tl.load(k + p_x, mask=m_j, other=0.0).to(tl.float32)  # [BT, K] all keys of the chunk
     b_G = tl.load(G + p_x, mask=m_j, other=0.0)
     for i_c in tl.static_range(BT // BC):
         r0 = i_c * BC
-        if t0 + r0 < T:
+        if t0 + r0 < t1:
             b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [K]
-            p_c, m_c = _tile(kb, t0 + r0, T, H * K, 0, BC, K)
+            p_c, m_c = _tile(kb, t0 + r0, t1, H * K, 0, BC, K)
             f_c = tl.exp(tl.where(m_c, tl.load(G + p_c, mask=m_c, other=0.0) - b_Gr[None, :], 0.0))  # <= 1
             b_qc = tl.load(q + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c  # [BC, K]
             b_kc = tl.load(k + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c
@@ -52,24 +55,25 @@ def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, H: tl.constexpr, K:
             b_aqk = tl.dot(b_qc, tl.trans(b_kj), input_precision=PREC)  # [BC, BT]
             b_akk = tl.dot(b_kc, tl.trans(b_kj), input_precision=PREC)
             o_i = r0 + tl.arange(0, BC)
-            b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=(t0 + o_i) < T, other=0.0).to(tl.float32)
+            b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=(t0 + o_i) < t1, other=0.0).to(tl.float32)
             b_aqk = tl.where(o_j[None, :] <= o_i[:, None], b_aqk * scale, 0.0)
             b_akk = tl.where(o_j[None, :] < o_i[:, None], b_akk * b_b[:, None], 0.0)
-            p_a, m_a = _tile(ab, t0 + r0, T, H * BT, 0, BC, BT)
+            p_a, m_a = _tile(ab, t0 + r0, t1, H * BT, 0, BC, BT)
             tl.store(Aqk + p_a, b_aqk, mask=m_a)
             tl.store(Akk + p_a, b_akk, mask=m_a)
 
 
 @triton.jit
-def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, chunk_rows, H: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                     VARLEN: tl.constexpr):
     """Tinv = (I + Akk)^-1 by blocks: four 16x16 diagonal inverses (forward substitution), the six blocks
     below them by exact fp32 matmuls (X_ij = -X_ii sum_{j<=m<i} A_im X_mj). Then, for the later kernels,
     w = Tinv (beta k exp(G)) [BT, K], u = Tinv (beta v) [BT, V], kd = k exp(G_L - G) and qg = scale q exp(G)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    n = T - t0  # valid rows in this chunk (may exceed BT)
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    n = t1 - t0  # valid rows in this chunk
     RS: tl.constexpr = H * BT
     A = Akk + (i_b * T * H + i_h) * BT + t0 * RS
     X = Tinv + (i_b * T * H + i_h) * BT + t0 * RS
@@ -109,7 +113,7 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.
     b_T = tl.load(X + o_i[:, None] * RS + o_i[None, :], mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     kb = (i_b * T * H + i_h) * K
-    last = tl.minimum(n, BT) - 1
+    last = n - 1
     for i_k in tl.static_range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_x = kb + (t0 + o_i)[:, None] * H * K + o_k[None, :]
@@ -129,7 +133,7 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, H: tl.
         tl.store(u + p_v, tl.dot(b_T, b_v, input_precision=PREC).to(u.dtype.element_ty), mask=m_t[:, None])
 
 
-# The two sequential kernels run one (batch, head, V-slice) per program, chunk after chunk: the slice width
+# The two sequential kernels run one (sequence, head, V-slice) per program, chunk after chunk: the slice width
 # trades programs (SMs in use) against work per step, and a third pipeline stage loads the next chunk's
 # operands earlier (-0.8 ms of 15.8 at 64K tokens, benchmarks/kernels/NOTES.md; BV = 64 with 3 stages needs
 # 256 KiB of shared memory in fp32). 4 warps: with 2 the state kernels spill heavily (and one such config
@@ -140,61 +144,57 @@ STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, n
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
 @triton.jit
-def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, chunk_seq, chunk_flags, T, NT, H: tl.constexpr, K: tl.constexpr,
+def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, cu_seqlens, seq_chunks, T, NT, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                       VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """Sequential pass over chunks for one (batch, head, V-slice): stores the chunk-start states
-    h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
-    carried between steps; every other operand was prepared by the parallel kernels.
-    VARLEN (B = 1, sequences chunk-aligned): chunk n belongs to sequence chunk_seq[n]; the state is reset to
-    that sequence's h0 (or zero) where chunk_flags[n] has FIRST and its final state is stored where LAST."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    """Sequential pass over one sequence's chunks for one (sequence, head, V-slice): stores the chunk-start
+    states h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
+    carried between steps; every other operand was prepared by the parallel kernels. The sequences of a packed
+    row (VARLEN) run in parallel, each from its h0 row (or zero) to its ht row."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_b, bos, eos, c0, nc = _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN)
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_h = tl.zeros([K, BV], dtype=tl.float32)
-    if HAS_H0 and not VARLEN:
-        b_h = tl.load(h0 + i_bh * K * V + o_s)
-    if VARLEN:  # each chunk's flags and sequence are loaded one step ahead: a load the step waits on stalls it
-        f_nx, s_nx = tl.load(chunk_flags), tl.load(chunk_seq)
-    for i_t in range(NT):
-        t0 = i_t * BT
-        if VARLEN:  # branch-free: masked loads and stores (`_restart`)
-            f_t, s_t = f_nx, s_nx
-            f_nx = tl.load(chunk_flags + tl.minimum(i_t + 1, NT - 1))
-            s_nx = tl.load(chunk_seq + tl.minimum(i_t + 1, NT - 1))
-            p_n = (s_t.to(tl.int64) * H + i_h) * K * V + o_s  # this sequence's state slice
-            b_h = _restart(b_h, _flagged(o_s, f_t, FIRST), h0, p_n, HAS_H0)
-        tl.store(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty))
-        p_x, m_t = _tile(kb, t0, T, H * K, 0, BT, K)
-        p_y, m_y = _tile(vb, t0, T, H * V, i_v * BV, BT, BV)
+    if HAS_H0:
+        b_h = tl.load(h0 + i_nh * K * V + o_s)
+    for i_s in range(tl.maximum(nc, MIN_STEPS)):
+        # steps past the last chunk repeat it, storing and carrying nothing (MIN_STEPS)
+        live = tl.full([1, 1], i_s, tl.int32) < nc
+        j = tl.minimum(i_s, nc - 1)
+        t0 = bos + j * BT
+        t1 = tl.minimum(t0 + BT, eos)
+        tl.store(h + ((i_b * NT + c0 + j) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty),
+                 mask=live)
+        p_x, m_t = _tile(kb, t0, t1, H * K, 0, BT, K)
+        p_y, m_y = _tile(vb, t0, t1, H * V, i_v * BV, BT, BV)
         b_w = tl.load(w + p_x, mask=m_t, other=0.0)  # [BT, K]
         b_kd = tl.load(kd + p_x, mask=m_t, other=0.0)
-        b_GL = tl.load(G + kb + (tl.minimum(t0 + BT, T) - 1) * H * K + o_k)  # [K]
+        b_GL = tl.load(G + kb + (t1 - 1) * H * K + o_k)  # [K]
         b_U = tl.load(u + p_y, mask=m_y, other=0.0).to(tl.float32)
         b_U -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # [BT, BV]
-        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y)
-        b_h = b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype), input_precision=PREC)
-        if VARLEN and STORE_HT:
-            tl.store(ht + p_n, b_h, mask=_flagged(o_s, f_t, LAST))
-    if STORE_HT and not VARLEN:
-        tl.store(ht + i_bh * K * V + o_s, b_h)
+        tl.store(U + p_y, b_U.to(U.dtype.element_ty), mask=m_y & live)
+        b_h = tl.where(live, b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype),
+                                                                   input_precision=PREC), b_h)
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + o_s, b_h)
 
 
 @triton.jit
-def _output_kernel(qg, h, Aqk, U, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, PREC: tl.constexpr):
+def _output_kernel(qg, h, Aqk, U, o, T, NT, chunk_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """o = qg S + Aqk U   (qg = scale q exp(G)) for one chunk and one V-slice."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    p_q, m_t = _tile(qg + (i_b * T * H + i_h) * K, t0, T, H * K, 0, BT, K)
+    t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    p_q, m_t = _tile(qg + (i_b * T * H + i_h) * K, t0, t1, H * K, 0, BT, K)
     p_h, _ = _tile(h + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V, 0, K, V, i_v * BV, K, BV)
     b_o = tl.dot(tl.load(p_q, mask=m_t, other=0.0), tl.load(p_h).to(qg.dtype.element_ty), input_precision=PREC)
-    p_A, _ = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, T, H * BT, 0, BT, BT)
-    p_U, _ = _tile((i_b * T * H + i_h) * V, t0, T, H * V, i_v * BV, BT, BV)
+    p_A, _ = _tile(Aqk + (i_b * T * H + i_h) * BT, t0, t1, H * BT, 0, BT, BT)
+    p_U, _ = _tile((i_b * T * H + i_h) * V, t0, t1, H * V, i_v * BV, BT, BV)
     b_o += tl.dot(tl.load(p_A, mask=m_t, other=0.0).to(U.dtype.element_ty), tl.load(U + p_U, mask=m_t, other=0.0),
                   input_precision=PREC)
     tl.store(o + p_U, b_o.to(o.dtype.element_ty), mask=m_t)

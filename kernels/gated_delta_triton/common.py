@@ -10,8 +10,11 @@ CHUNK = 64  # chunk length
 BT = tl.constexpr(CHUNK)  # the same, as the kernels see it
 BC = tl.constexpr(16)  # sub-tile length: one reference row per 16 tokens keeps exp() finite
 G_MIN_SAFE = -5.5  # 15 steps * 5.5 = 82.5 < log(fp32 max) ~ 88.7
-FIRST = tl.constexpr(1)  # chunk_flags bits (packed rows): the chunk starts a sequence
-LAST = tl.constexpr(2)  # ... the chunk ends a sequence
+# The sequential state kernels take at least this many steps per sequence: a loop of fewer iterations than its
+# software pipeline's stages (num_stages, at most 3) faulted on the H200 in bf16 (illegal memory access in the
+# state forward at T = 1, 63, 64; Triton 3.6). A shorter sequence repeats its last chunk with the results masked.
+MIN_STEPS = tl.constexpr(3)
+
 
 @triton.jit
 def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
@@ -22,20 +25,36 @@ def _tile(X, row0, n_rows, stride, col0, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _flagged(o_s, f_t, FLAG: tl.constexpr):
-    """Chunk flag FLAG of ``f_t`` (a packed row's chunk_flags entry) as a mask of the shape of offsets ``o_s``."""
-    return (o_s * 0 + (f_t & FLAG)) != 0
+def _chunk_rows(i_t, T, chunk_rows, VARLEN: tl.constexpr):
+    """Rows [t0, t1) of chunk i_t: of a row of T tokens, or (VARLEN) of a packed row, from its chunk table
+    chunk_rows [NT, 2] int32 (a sequence's chunks start at its first token; its last one ends at its end)."""
+    if VARLEN:
+        t0 = tl.load(chunk_rows + 2 * i_t)
+        t1 = tl.load(chunk_rows + 2 * i_t + 1)
+    else:
+        t0 = i_t * BT
+        t1 = tl.minimum(t0 + BT, T)
+    return t0, t1
 
 
 @triton.jit
-def _restart(b, first, init, p_n, HAS_INIT: tl.constexpr):
-    """A sequential kernel's carried block ``b``, restarted where mask ``first`` is set: from the block at
-    init + p_n (HAS_INIT; ``init`` may be None otherwise) or from zero. Branch-free (a masked load): a branch in
-    the loop stops its software pipelining."""
-    b_init = tl.zeros_like(b)
-    if HAS_INIT:
-        b_init = tl.load(init + p_n, mask=first, other=0.0)
-    return tl.where(first, b_init, b)
+def _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN: tl.constexpr):
+    """What a sequential kernel walks for sequence i_n: its row, first token, end token, first chunk and
+    number of chunks; of row i_n of T tokens, or (VARLEN) of the packed row's cu_seqlens and per-sequence chunk
+    offsets seq_chunks [N + 1] int32."""
+    if VARLEN:
+        i_b = 0
+        bos = tl.load(cu_seqlens + i_n)
+        eos = tl.load(cu_seqlens + i_n + 1)
+        c0 = tl.load(seq_chunks + i_n)
+        nc = tl.load(seq_chunks + i_n + 1) - c0
+    else:
+        i_b = i_n
+        bos = 0
+        eos = T
+        c0 = 0
+        nc = NT
+    return i_b, bos, eos, c0, nc
 
 
 @triton.jit
