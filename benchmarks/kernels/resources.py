@@ -95,7 +95,7 @@ def main(dtype: str) -> int:
         ]
     ok.append(report("decode_step", gdt._decode_step_kernel, {**ptrs("q k v g beta state o new_state", f32),
                      "scale": "fp32"}, dict(H=H, K=K, V=V, BV=32)))
-    seqs = ptrs("cu_seqlens seq_chunks", "*i32")
+    seqs = ptrs("seqs", "*i32")
     # whole rows with initial / final states (the tests), packed rows with them, packed rows without (training)
     for c, varlen, st in ((c, v, st) for c in gdt.STATE_CONFIGS for v, st in ((False, True), (True, True),
                                                                              (True, False))):
@@ -103,9 +103,9 @@ def main(dtype: str) -> int:
             ("" if st else " no-states")
         # a kernel argument that is None (no initial state, a whole row's sequence table) is a constexpr None
         unused = ({} if st else dict(h0=None, ht=None, dht=None, dh0=None)) | \
-            ({} if varlen else dict(cu_seqlens=None, seq_chunks=None))
-        fwd_unused = {n: None for n in ("h0", "ht", "cu_seqlens", "seq_chunks") if n in unused}
-        bwd_unused = {n: None for n in ("dht", "dh0", "cu_seqlens", "seq_chunks") if n in unused}
+            ({} if varlen else dict(seqs=None))
+        fwd_unused = {n: None for n in ("h0", "ht", "seqs") if n in unused}
+        bwd_unused = {n: None for n in ("dht", "dh0", "seqs") if n in unused}
         ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
                          **seqs, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=st, STORE_HT=st,
                                                  VARLEN=varlen, PREC=prec, **fwd_unused),

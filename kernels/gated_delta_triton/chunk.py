@@ -21,7 +21,7 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     """``packed``: None (B rows of T tokens), or a packed row's _PackedRow."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT, N, rows, cu, seq_chunks = _layout(B, T, packed)
+    NT, N, rows, seqs = _layout(B, T, packed)
     var = dict(VARLEN=packed is not None)
     prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -40,7 +40,7 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     h = torch.empty(B, NT, H, K, V, device=q.device, dtype=q.dtype)
     U = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
-    _state_fwd_kernel[lambda meta: (V // meta["BV"], N * H)](kd, G, w, u, h, U, h0, ht, cu, seq_chunks, T, NT, H, K,
+    _state_fwd_kernel[lambda meta: (V // meta["BV"], N * H)](kd, G, w, u, h, U, h0, ht, seqs, T, NT, H, K,
                                                              V, HAS_H0=h0 is not None, STORE_HT=store_ht, PREC=prec,
                                                              **var)
     o = torch.empty_like(v)
@@ -52,7 +52,7 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, saved, do, dht):
     G, Aqk, Tinv, w, kd, qg, h, U = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT, N, rows, cu, seq_chunks = _layout(B, T, packed)
+    NT, N, rows, seqs = _layout(B, T, packed)
     var = dict(VARLEN=packed is not None)
     prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -62,7 +62,7 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, saved, do, dht):
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = min(64, V)
     _bwd_intra_dU_kernel[(V // BV, NT, B * H)](Aqk, do, dU, T, rows, H, V, BV, PREC=prec, num_warps=4, **var)
-    _state_bwd_kernel[lambda meta: (V // meta["BV"], N * H)](qg, kd, G, w, do, dh, dU, dht, dh0, cu, seq_chunks, T,
+    _state_bwd_kernel[lambda meta: (V // meta["BV"], N * H)](qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T,
                                                              NT, H, K, V, HAS_DHT=dht is not None,
                                                              STORE_DH0=h0 is not None, PREC=prec, **var)
     dv = torch.empty_like(v)
@@ -110,31 +110,33 @@ class ChunkGatedDeltaRuleTriton(torch.autograd.Function):
 
 
 class _PackedRow(NamedTuple):
-    """A packed row's chunks: chunk_rows [NT, 2] int32 (first and end token of each chunk: a sequence's chunks
-    start at its first token, its last chunk ends with it), cu_seqlens [N + 1] int32, seq_chunks [N + 1] int32
-    (each sequence's first chunk)."""
+    """A packed row for the kernels. chunk_rows [NT, 2] int32: first and end token of each chunk (a sequence's
+    chunks start at its first token, its last chunk ends with it). seqs [N, 4] int32: per sequence (index, first
+    token, end token, first chunk), longest first, so the state passes start their longest walks first."""
 
     chunk_rows: torch.Tensor
-    cu_seqlens: torch.Tensor
-    seq_chunks: torch.Tensor
+    seqs: torch.Tensor
 
 
 @functools.lru_cache(maxsize=16)
 def _packed_row(bounds: tuple[int, ...], device: torch.device) -> _PackedRow:
-    """The chunks of a packed row with sequence bounds ``bounds`` (cu_seqlens as a tuple)."""
+    """The tables of a packed row with sequence bounds ``bounds`` (cu_seqlens as a tuple)."""
     cu = torch.tensor(bounds)
-    seq_chunks = F.pad((cu.diff() + CHUNK - 1).div(CHUNK, rounding_mode="floor").cumsum(0), (1, 0))
-    seq = torch.repeat_interleave(torch.arange(len(bounds) - 1), seq_chunks.diff())  # chunk -> sequence
-    t0 = cu[seq] + (torch.arange(len(seq)) - seq_chunks[seq]) * CHUNK
+    n_chunks = (cu.diff() + CHUNK - 1).div(CHUNK, rounding_mode="floor")
+    first_chunk = n_chunks.cumsum(0) - n_chunks
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks)), n_chunks)  # chunk -> sequence
+    t0 = cu[seq] + (torch.arange(len(seq)) - first_chunk[seq]) * CHUNK
     rows = torch.stack([t0, torch.minimum(t0 + CHUNK, cu[seq + 1])], 1)
-    return _PackedRow(*(x.to(device=device, dtype=torch.int32).contiguous() for x in (rows, cu, seq_chunks)))
+    order = torch.argsort(n_chunks, descending=True, stable=True)
+    seqs = torch.stack([order, cu[order], cu[order + 1], first_chunk[order]], 1)
+    return _PackedRow(*(x.to(device=device, dtype=torch.int32).contiguous() for x in (rows, seqs)))
 
 
 def _layout(B: int, T: int, packed: _PackedRow | None):
-    """(chunks NT, sequences N, chunk_rows, cu_seqlens, seq_chunks) of B rows of T tokens or of a packed row."""
+    """(chunks NT, sequences N, chunk_rows, seqs) of B rows of T tokens or of a packed row."""
     if packed is None:
-        return -(-T // CHUNK), B, None, None, None
-    return packed.chunk_rows.shape[0], packed.cu_seqlens.shape[0] - 1, *packed
+        return -(-T // CHUNK), B, None, None
+    return packed.chunk_rows.shape[0], packed.seqs.shape[0], *packed
 
 
 def chunk_gated_delta_rule_triton(

@@ -26,22 +26,23 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, chunk_rows, H: tl.constexpr, V: tl.cons
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
 @triton.jit
-def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, cu_seqlens, seq_chunks, T, NT, H: tl.constexpr,
+def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Reverse sequential pass over one sequence's chunks. dh[n] = dL/d(state at the end of chunk n)
     [B, NT, H, K, V]; dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
     Each sequence starts from its dht row (or zero) and ends at its dh0 row, as in _state_fwd_kernel."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_b, bos, eos, c0, nc = _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN)
+    i_v, i_ph = tl.program_id(0), tl.program_id(1)
+    i_p, i_h = i_ph // H, i_ph % H
+    i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
+    p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
-        b_dh = tl.load(dht + i_nh * K * V + o_s)
+        b_dh = tl.load(dht + p_n + o_s)
     for i_r in range(tl.maximum(nc, MIN_STEPS)):
         # steps past the first chunk repeat it, storing and carrying nothing (MIN_STEPS)
         live = tl.full([1, 1], i_r, tl.int32) < nc
@@ -64,7 +65,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, cu_seqlens, seq_chunks
         b_new -= tl.dot(tl.trans(b_w), b_dU.to(b_w.dtype), input_precision=PREC)
         b_dh = tl.where(live, b_new, b_dh)
     if STORE_DH0:
-        tl.store(dh0 + i_nh * K * V + o_s, b_dh)
+        tl.store(dh0 + p_n + o_s, b_dh)
 
 
 @triton.jit

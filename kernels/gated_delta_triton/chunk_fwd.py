@@ -144,23 +144,24 @@ STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, n
 
 @triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"])
 @triton.jit
-def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, cu_seqlens, seq_chunks, T, NT, H: tl.constexpr, K: tl.constexpr,
+def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, seqs, T, NT, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                       VARLEN: tl.constexpr, PREC: tl.constexpr):
     """Sequential pass over one sequence's chunks for one (sequence, head, V-slice): stores the chunk-start
     states h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
     carried between steps; every other operand was prepared by the parallel kernels. The sequences of a packed
     row (VARLEN) run in parallel, each from its h0 row (or zero) to its ht row."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_b, bos, eos, c0, nc = _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN)
+    i_v, i_ph = tl.program_id(0), tl.program_id(1)
+    i_p, i_h = i_ph // H, i_ph % H
+    i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
+    p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
     o_s, _ = _tile(0, 0, K, V, i_v * BV, K, BV)  # this V-slice of one [K, V] state
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
-        b_h = tl.load(h0 + i_nh * K * V + o_s)
+        b_h = tl.load(h0 + p_n + o_s)
     for i_s in range(tl.maximum(nc, MIN_STEPS)):
         # steps past the last chunk repeat it, storing and carrying nothing (MIN_STEPS)
         live = tl.full([1, 1], i_s, tl.int32) < nc
@@ -180,7 +181,7 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, cu_seqlens, seq_chunks, T, NT, 
         b_h = tl.where(live, b_h * tl.exp(b_GL)[:, None] + tl.dot(tl.trans(b_kd), b_U.to(b_kd.dtype),
                                                                    input_precision=PREC), b_h)
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + o_s, b_h)
+        tl.store(ht + p_n + o_s, b_h)
 
 
 @triton.jit

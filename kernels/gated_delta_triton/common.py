@@ -38,23 +38,25 @@ def _chunk_rows(i_t, T, chunk_rows, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _sequence(i_n, T, NT, cu_seqlens, seq_chunks, VARLEN: tl.constexpr):
-    """What a sequential kernel walks for sequence i_n: its row, first token, end token, first chunk and
-    number of chunks; of row i_n of T tokens, or (VARLEN) of the packed row's cu_seqlens and per-sequence chunk
-    offsets seq_chunks [N + 1] int32."""
+def _sequence(i_p, T, NT, seqs, VARLEN: tl.constexpr):
+    """What program i_p of a sequential kernel walks: (sequence, its row, first token, end token, first chunk,
+    number of chunks); row i_p of T tokens, or (VARLEN) row i_p of the packed row's sequence table seqs [N, 4]
+    int32 (sequence, first token, end token, first chunk), longest sequence first."""
     if VARLEN:
+        i_n = tl.load(seqs + 4 * i_p)
         i_b = 0
-        bos = tl.load(cu_seqlens + i_n)
-        eos = tl.load(cu_seqlens + i_n + 1)
-        c0 = tl.load(seq_chunks + i_n)
-        nc = tl.load(seq_chunks + i_n + 1) - c0
+        bos = tl.load(seqs + 4 * i_p + 1)
+        eos = tl.load(seqs + 4 * i_p + 2)
+        c0 = tl.load(seqs + 4 * i_p + 3)
+        nc = tl.cdiv(eos - bos, BT)
     else:
-        i_b = i_n
+        i_n = i_p
+        i_b = i_p
         bos = 0
         eos = T
         c0 = 0
         nc = NT
-    return i_b, bos, eos, c0, nc
+    return i_n, i_b, bos, eos, c0, nc
 
 
 @triton.jit
