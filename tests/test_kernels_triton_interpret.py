@@ -87,3 +87,15 @@ def test_triton_kernels_match_reference_in_interpreter(B, T, H, K, V, BV, BK, fu
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
     # fp32 arithmetic throughout (exact fp32 dots in the interpreter): measured ~1e-6..1e-5
     assert max(errs.values()) < 1e-4, errs
+
+
+def test_state_kernels_run_unpipelined_only_where_pipelined_configs_do_not_fit():
+    """fp32 (3xTF32) with a head dim over 128 autotunes over the single-stage state configs alone (a pipelined one
+    needs more shared memory than the H200 has); every other shape over the pipelined ones alone."""
+    from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS, _state_configs
+
+    def stages(prec, K, V):
+        return {c.num_stages for c in _state_configs(STATE_CONFIGS, {"K": K, "V": V}, PREC=prec, VARLEN=False)}
+
+    assert stages("tf32x3", 256, 256) == stages("tf32x3", 64, 256) == {1}
+    assert stages("tf32x3", 128, 128) == stages("tf32", 256, 256) == stages("tf32", 64, 64) == {2, 3}

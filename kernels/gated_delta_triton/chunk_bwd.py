@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS
+from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS, _state_configs
 from kernels.gated_delta_triton.common import BC, BT, MIN_STEPS, _chunk_rows, _sequence, _tile
 
 
@@ -24,7 +24,8 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, chunk_rows, H: tl.constexpr, V: tl.cons
     tl.store(dU + p_y, b_dU, mask=m_t)
 
 
-@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"])
+@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"],
+                 prune_configs_by={"early_config_prune": _state_configs})
 @triton.jit
 def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,

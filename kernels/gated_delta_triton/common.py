@@ -108,10 +108,7 @@ def _diagonal_inverses16(A, n, RS: tl.constexpr):
 def _prec(q: torch.Tensor, v: torch.Tensor) -> str:
     """fp32 inputs get fp32-accurate dots on the tensor cores: 3xTF32 (each operand split into a tf32 head and
     tail, three tf32 products), within the 1e-4 reference tolerance; the plain fp32 ("ieee") dots ran on the CUDA
-    cores, 8x slower than 3xTF32 at K = V = 64 on the H200. At K = 256 the state backward needs more shared memory
-    in 3xTF32 than the H200 has in every config (237,568 B of 232,448 at the smallest), so fp32 with a head dim
-    over 128 stays on ieee dots. For 16-bit inputs, dots of 16-bit operands run as bf16/fp16 on the tensor cores
-    and dots of fp32 operands (the pair products) as tf32."""
-    if q.dtype != torch.float32:
-        return "tf32"
-    return "tf32x3" if max(q.shape[-1], v.shape[-1]) <= 128 else "ieee"
+    cores, 8x slower than 3xTF32 at K = V = 64 and 18x slower than fla at K = V = 256 on the H200 (at 256 the
+    state kernels need their unpipelined configs in 3xTF32: STATE_CONFIGS). For 16-bit inputs, dots of 16-bit
+    operands run as bf16/fp16 on the tensor cores and dots of fp32 operands (the pair products) as tf32."""
+    return "tf32x3" if q.dtype == torch.float32 else "tf32"
