@@ -140,7 +140,7 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, chunk_
 # crashed on the H200).
 # In fp32 (3xTF32 dots) with a head dim over 128 a pipelined config does not fit in shared memory: the next chunk's
 # three [64, 256] fp32 operands are copied in while the current ones are used (237,568 B at the smallest, of the
-# H200's 232,448; benchmarks/kernels/resources.py). Unpipelined (num_stages 1) the state backward needs 64 KiB:
+# H200's 232,448; benchmarks/kernels/resources.py). Unpipelined (num_stages 1) they need 64 KiB (BV 16, 32):
 # such shapes get only the unpipelined configs, every other shape only the pipelined ones (_state_configs).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((16, 2), (32, 2), (64, 2),
                                                                                     (16, 3), (32, 3), (16, 1),
