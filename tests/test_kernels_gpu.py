@@ -222,6 +222,22 @@ def test_packed_short_sequences(dtype, tol):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+def test_packed_row_of_more_sequences_and_heads_than_a_grid_axis_holds():
+    """4,400 sequences of 1-3 tokens with 16 heads: 70,400 (sequence, head) programs of the state passes, over
+    a CUDA grid's y limit of 65,535 (they run on one flat axis)."""
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    lengths = ([1, 2, 3] * 1467)[:4400]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v, raw, beta, _ = make_inputs(1, int(cu[-1]), 16, 64, 64, seed=13)
+    inputs = [q, k, v, raw, beta, torch.randn(len(lengths), 16, 64, 64, device="cuda")]
+    out = run(lambda *xs, **kw: chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw), inputs, torch.bfloat16,
+              "fused")
+    for name, a, b in zip(NAMES, out, per_sequence_reference(inputs, cu, torch.bfloat16)):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < BF16_TOL, (name, rel(a, b))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
 def test_head_dim_256(dtype, tol):
     fused_kernel_matches_recurrent(make_inputs(1, 200, 2, 256, 256, seed=3), dtype, tol)

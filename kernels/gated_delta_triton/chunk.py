@@ -17,6 +17,12 @@ from kernels.gated_delta_triton.chunk_fwd import (_gate_cumsum_kernel, _output_k
 from kernels.gated_delta_triton.common import CHUNK, G_MIN_SAFE, _prec
 
 
+def _state_grid(N: int, H: int, V: int):
+    """Launch grid of the two state passes: one flat axis of (sequence, head, V-slice) programs, V-slices
+    innermost (a packed row's N * H can exceed a grid's y limit of 65,535)."""
+    return lambda meta: (N * H * (V // meta["BV"]),)
+
+
 def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     """``packed``: None (B rows of T tokens), or a packed row's _PackedRow."""
     B, T, H, K = q.shape
@@ -40,9 +46,8 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     h = torch.empty(B, NT, H, K, V, device=q.device, dtype=q.dtype)
     U = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
-    _state_fwd_kernel[lambda meta: (V // meta["BV"], N * H)](kd, G, w, u, h, U, h0, ht, seqs, T, NT, H, K,
-                                                             V, HAS_H0=h0 is not None, STORE_HT=store_ht, PREC=prec,
-                                                             **var)
+    _state_fwd_kernel[_state_grid(N, H, V)](kd, G, w, u, h, U, h0, ht, seqs, T, NT, H, K, V, HAS_H0=h0 is not None,
+                                            STORE_HT=store_ht, PREC=prec, **var)
     o = torch.empty_like(v)
     _output_kernel[(V // BV, NT, B * H)](qg, h, Aqk, U, o, T, NT, rows, H, K, V, BV, PREC=prec, num_warps=4, **var)
     return o, ht, (G, Aqk, Tinv, w, kd, qg, h, U)
@@ -62,9 +67,8 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, saved, do, dht):
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = min(64, V)
     _bwd_intra_dU_kernel[(V // BV, NT, B * H)](Aqk, do, dU, T, rows, H, V, BV, PREC=prec, num_warps=4, **var)
-    _state_bwd_kernel[lambda meta: (V // meta["BV"], N * H)](qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T,
-                                                             NT, H, K, V, HAS_DHT=dht is not None,
-                                                             STORE_DH0=h0 is not None, PREC=prec, **var)
+    _state_bwd_kernel[_state_grid(N, H, V)](qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H, K, V,
+                                            HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec, **var)
     dv = torch.empty_like(v)
     dAqk = torch.empty(B, T, H, CHUNK, **f32)
     dT = torch.empty(B, T, H, CHUNK, **f32)

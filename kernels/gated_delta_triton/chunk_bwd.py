@@ -33,7 +33,8 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.con
     """Reverse sequential pass over one sequence's chunks. dh[n] = dL/d(state at the end of chunk n)
     [B, NT, H, K, V]; dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
     Each sequence starts from its dht row (or zero) and ends at its dh0 row, as in _state_fwd_kernel."""
-    i_v, i_ph = tl.program_id(0), tl.program_id(1)
+    NV: tl.constexpr = V // BV  # one flat grid, V-slices innermost: (N H NV) can exceed a grid's y limit
+    i_ph, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
     i_p, i_h = i_ph // H, i_ph % H
     i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
     p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state

@@ -163,7 +163,8 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, seqs, T, NT, H: tl.constexpr, K
     states h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
     carried between steps; every other operand was prepared by the parallel kernels. The sequences of a packed
     row (VARLEN) run in parallel, each from its h0 row (or zero) to its ht row."""
-    i_v, i_ph = tl.program_id(0), tl.program_id(1)
+    NV: tl.constexpr = V // BV  # one flat grid, V-slices innermost: (N H NV) can exceed a grid's y limit
+    i_ph, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
     i_p, i_h = i_ph // H, i_ph % H
     i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
     p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state
