@@ -99,3 +99,17 @@ def test_state_kernels_run_unpipelined_only_where_pipelined_configs_do_not_fit()
 
     assert stages("tf32x3", 256, 256) == stages("tf32x3", 64, 256) == {1}
     assert stages("tf32x3", 128, 128) == stages("tf32", 256, 256) == stages("tf32", 64, 64) == {2, 3}
+
+
+def test_row_of_more_chunks_than_a_grid_axis_holds_is_refused():
+    """65,536 one-token sequences are 65,536 chunks, one more than the per-chunk kernels' grid axis holds: a clear
+    error before any launch (the model's dispatch cuts long rows into segments)."""
+    import torch
+
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    T = 65536
+    q = torch.zeros(1, T, 1, 64)
+    with pytest.raises(ValueError, match="65536 chunks of 64 tokens in one row, over the 65535"):
+        chunk_gated_delta_rule_triton(q, q, q, q, torch.zeros(1, T, 1), gate_lower_bound=-5.0,
+                                      cu_seqlens=torch.arange(T + 1))

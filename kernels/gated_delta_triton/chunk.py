@@ -17,6 +17,9 @@ from kernels.gated_delta_triton.chunk_fwd import (_gate_cumsum_kernel, _output_k
 from kernels.gated_delta_triton.common import CHUNK, G_MIN_SAFE, _prec
 
 
+MAX_CHUNKS = 65535  # the per-chunk kernels' chunk axis is a CUDA grid's y axis
+
+
 def _state_grid(N: int, H: int, V: int):
     """Launch grid of the two state passes: one flat axis of (sequence, head, V-slice) programs, V-slices
     innermost (a packed row's N * H can exceed a grid's y limit of 65,535)."""
@@ -194,5 +197,9 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f"initial_state must be {(rows, H, K, V)}, got {tuple(initial_state.shape)}")
     scale = K**-0.5 if scale is None else scale
     packed = None if cu_seqlens is None else _packed_row(bounds, q.device)
+    n_chunks = -(-T // CHUNK) if packed is None else packed.chunk_rows.shape[0]
+    if n_chunks > MAX_CHUNKS:
+        raise ValueError(f"{n_chunks} chunks of {CHUNK} tokens in one row, over the {MAX_CHUNKS} a launch grid's axis "
+                         "holds: cut the row (kernels.gated_delta_rule runs long rows segment by segment)")
     return ChunkGatedDeltaRuleTriton.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
                                            gate_lower_bound, packed)
