@@ -38,7 +38,8 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, rows, H, K, GATE=lower_bound is not None, **var)
     Aqk = torch.empty(B, T, H, CHUNK, **f32)
     Akk = torch.empty(B, T, H, CHUNK, **f32)
-    _pair_matrices_kernel[(NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, rows, H, K, PREC=prec, num_warps=4, **var)
+    _pair_matrices_kernel[(CHUNK // 16, NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, rows, H, K, PREC=prec,
+                                                    num_warps=4, **var)
     Tinv = torch.empty(B, T, H, CHUNK, **f32)
     w, kd, qg = torch.empty_like(k), torch.empty_like(k), torch.empty_like(q)
     u = torch.empty_like(v)

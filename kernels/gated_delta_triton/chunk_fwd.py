@@ -28,39 +28,40 @@ def _gate_cumsum_kernel(g, G, lower_bound, T, chunk_rows, H: tl.constexpr, K: tl
 @triton.jit
 def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, chunk_rows, H: tl.constexpr, K: tl.constexpr,
                           PREC: tl.constexpr, VARLEN: tl.constexpr):
-    """Aqk [BT, BT] (incl. diagonal, times scale) and Akk [BT, BT] (strictly lower, times beta_i), one
-    16-row sub-tile at a time with reference row r = first row of the sub-tile. fp32 operands (tf32 on
-    the tensor cores for 16-bit inputs): the decay factors span e^{+-75} inside a sub-tile."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    """Rows of one 16-row sub-tile i of Aqk [BT, BT] (incl. diagonal, times scale) and Akk [BT, BT] (strictly
+    lower, times beta_i), as [16, K] x [K, 16] products over the key blocks j <= i (the blocks above are zero),
+    with reference row r = the sub-tile's first row: exp(G_t - G_r) <= 1 for its rows, exp(G_r - G_j) <= 1 for
+    keys before it and <= e^75 inside it. fp32 operands (tf32 on the tensor cores for 16-bit inputs). One
+    program per sub-tile, as the pair gradients (_bwd_pair_kernel) are organised."""
+    i_i, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t0, t1 = _chunk_rows(i_t, T, chunk_rows, VARLEN)
+    r0 = i_i * BC  # the sub-tile's first row inside the chunk
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
-    o_j = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    p_x, m_j = _tile(kb, t0, t1, H * K, 0, BT, K)  # offsets of all rows of the chunk
-    b_k = tl.load(k + p_x, mask=m_j, other=0.0).to(tl.float32)  # [BT, K] all keys of the chunk
-    b_G = tl.load(G + p_x, mask=m_j, other=0.0)
-    for i_c in tl.static_range(BT // BC):
-        r0 = i_c * BC
-        if t0 + r0 < t1:
-            b_Gr = tl.load(G + kb + (t0 + r0) * H * K + o_k)  # [K]
-            p_c, m_c = _tile(kb, t0 + r0, t1, H * K, 0, BC, K)
-            f_c = tl.exp(tl.where(m_c, tl.load(G + p_c, mask=m_c, other=0.0) - b_Gr[None, :], 0.0))  # <= 1
-            b_qc = tl.load(q + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c  # [BC, K]
-            b_kc = tl.load(k + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c
-            # keys j < r0 + BC, decayed to the reference row; later keys are masked (they would overflow)
-            m_col = m_j & (o_j < r0 + BC)[:, None]
-            b_kj = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
-            b_aqk = tl.dot(b_qc, tl.trans(b_kj), input_precision=PREC)  # [BC, BT]
-            b_akk = tl.dot(b_kc, tl.trans(b_kj), input_precision=PREC)
-            o_i = r0 + tl.arange(0, BC)
-            b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=(t0 + o_i) < t1, other=0.0).to(tl.float32)
-            b_aqk = tl.where(o_j[None, :] <= o_i[:, None], b_aqk * scale, 0.0)
-            b_akk = tl.where(o_j[None, :] < o_i[:, None], b_akk * b_b[:, None], 0.0)
-            p_a, m_a = _tile(ab, t0 + r0, t1, H * BT, 0, BC, BT)
-            tl.store(Aqk + p_a, b_aqk, mask=m_a)
-            tl.store(Akk + p_a, b_akk, mask=m_a)
+    o_c = tl.arange(0, BC)
+    p_a, m_a = _tile(ab, t0 + r0, t1, H * BT, 0, BC, BC)  # block (i, 0) of the [BT, BT] rows  [BC, BC]
+    if t0 + r0 >= t1:
+        return
+    b_Gr = tl.load(G + kb + (t0 + r0) * H * K + tl.arange(0, K))  # [K]
+    p_c, m_c = _tile(kb, t0 + r0, t1, H * K, 0, BC, K)
+    f_c = tl.exp(tl.where(m_c, tl.load(G + p_c, mask=m_c, other=0.0) - b_Gr[None, :], 0.0))  # <= 1
+    b_qc = tl.load(q + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c  # [BC, K]
+    b_kc = tl.load(k + p_c, mask=m_c, other=0.0).to(tl.float32) * f_c
+    b_b = tl.load(beta + (i_b * T + t0 + r0 + o_c) * H + i_h, mask=(t0 + r0 + o_c) < t1, other=0.0).to(tl.float32)
+    for i_j in range(0, i_i + 1):
+        p_j, m_j = _tile(kb, t0 + i_j * BC, t1, H * K, 0, BC, K)
+        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
+        b_kj *= tl.exp(tl.where(m_j, b_Gr[None, :] - tl.load(G + p_j, mask=m_j, other=0.0), 0.0))
+        b_aqk = tl.dot(b_qc, tl.trans(b_kj), input_precision=PREC) * scale  # [BC, BC]
+        b_akk = tl.dot(b_kc, tl.trans(b_kj), input_precision=PREC) * b_b[:, None]
+        m_d = (o_c[:, None] > o_c[None, :]) | (i_j < i_i)  # below the diagonal
+        tl.store(Aqk + p_a + i_j * BC, tl.where(m_d | (o_c[:, None] == o_c[None, :]), b_aqk, 0.0), mask=m_a)
+        tl.store(Akk + p_a + i_j * BC, tl.where(m_d, b_akk, 0.0), mask=m_a)
+    b_0 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_j in range(i_i + 1, BT // BC):  # the blocks above the diagonal
+        tl.store(Aqk + p_a + i_j * BC, b_0, mask=m_a)
+        tl.store(Akk + p_a + i_j * BC, b_0, mask=m_a)
 
 
 @triton.jit
