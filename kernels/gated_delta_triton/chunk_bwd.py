@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS, _state_configs
-from kernels.gated_delta_triton.common import BC, BT, MIN_STEPS, _chunk_rows, _sequence, _tile
+from kernels.gated_delta_triton.common import BC, BT, MIN_STEPS, _chunk_rows, _sequence, _state_step, _tile
 
 
 @triton.jit
@@ -33,11 +33,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.con
     """Reverse sequential pass over one sequence's chunks. dh[n] = dL/d(state at the end of chunk n)
     [B, NT, H, K, V]; dU += kd dS' (dU holds Aqk^T dO on entry);  dS = exp(G_L) dS' + qg^T dO - w^T dU.
     Each sequence starts from its dht row (or zero) and ends at its dh0 row, as in _state_fwd_kernel."""
-    NV: tl.constexpr = V // BV  # one flat grid, V-slices innermost: (N H NV) can exceed a grid's y limit
-    i_ph, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
-    i_p, i_h = i_ph // H, i_ph % H
-    i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
-    p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state
+    i_v, i_h, i_b, p_n, bos, eos, c0, nc = _sequence(T, NT, seqs, H, K, V, BV, VARLEN)
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
@@ -46,11 +42,7 @@ def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.con
     if HAS_DHT:
         b_dh = tl.load(dht + p_n + o_s)
     for i_r in range(tl.maximum(nc, MIN_STEPS)):
-        # steps past the first chunk repeat it, storing and carrying nothing (MIN_STEPS)
-        live = tl.full([1, 1], i_r, tl.int32) < nc
-        j = nc - 1 - tl.minimum(i_r, nc - 1)
-        t0 = bos + j * BT
-        t1 = tl.minimum(t0 + BT, eos)
+        live, j, t0, t1 = _state_step(i_r, bos, eos, nc, REVERSE=True)
         tl.store(dh + ((i_b * NT + c0 + j) * H + i_h).to(tl.int64) * K * V + o_s, b_dh.to(dh.dtype.element_ty),
                  mask=live)
         p_x, m_t = _tile(kb, t0, t1, H * K, 0, BT, K)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_triton.common import (BC, BT, MIN_STEPS, _chunk_rows, _diagonal_inverses16, _load16, _mm,
-                                               _sequence, _store16, _tile)
+                                               _sequence, _state_step, _store16, _tile)
 
 
 @triton.jit
@@ -164,11 +164,7 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, seqs, T, NT, H: tl.constexpr, K
     states h [B, NT, H, K, V] and U = u - w S [B, T, H, V]; S' = exp(G_L) S + kd^T U. Only the state is
     carried between steps; every other operand was prepared by the parallel kernels. The sequences of a packed
     row (VARLEN) run in parallel, each from its h0 row (or zero) to its ht row."""
-    NV: tl.constexpr = V // BV  # one flat grid, V-slices innermost: (N H NV) can exceed a grid's y limit
-    i_ph, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
-    i_p, i_h = i_ph // H, i_ph % H
-    i_n, i_b, bos, eos, c0, nc = _sequence(i_p, T, NT, seqs, VARLEN)
-    p_n = (i_n * H + i_h).to(tl.int64) * K * V  # this sequence's and head's initial / final state
+    i_v, i_h, i_b, p_n, bos, eos, c0, nc = _sequence(T, NT, seqs, H, K, V, BV, VARLEN)
     o_k = tl.arange(0, K)
     kb = (i_b * T * H + i_h) * K
     vb = (i_b * T * H + i_h) * V
@@ -177,11 +173,7 @@ def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, seqs, T, NT, H: tl.constexpr, K
     if HAS_H0:
         b_h = tl.load(h0 + p_n + o_s)
     for i_s in range(tl.maximum(nc, MIN_STEPS)):
-        # steps past the last chunk repeat it, storing and carrying nothing (MIN_STEPS)
-        live = tl.full([1, 1], i_s, tl.int32) < nc
-        j = tl.minimum(i_s, nc - 1)
-        t0 = bos + j * BT
-        t1 = tl.minimum(t0 + BT, eos)
+        live, j, t0, t1 = _state_step(i_s, bos, eos, nc, REVERSE=False)
         tl.store(h + ((i_b * NT + c0 + j) * H + i_h).to(tl.int64) * K * V + o_s, b_h.to(h.dtype.element_ty),
                  mask=live)
         p_x, m_t = _tile(kb, t0, t1, H * K, 0, BT, K)

@@ -38,10 +38,16 @@ def _chunk_rows(i_t, T, chunk_rows, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _sequence(i_p, T, NT, seqs, VARLEN: tl.constexpr):
-    """What program i_p of a sequential kernel walks: (sequence, its row, first token, end token, first chunk,
-    number of chunks); row i_p of T tokens, or (VARLEN) row i_p of the packed row's sequence table seqs [N, 4]
-    int32 (sequence, first token, end token, first chunk), longest sequence first."""
+def _sequence(T, NT, seqs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+              VARLEN: tl.constexpr):
+    """What this program of a sequential state kernel walks. Programs lie on one flat axis, V-slices innermost
+    (sequences x heads can exceed a grid's y limit of 65,535): sequence p, head h, V-slice v. Sequence p is row p
+    of T tokens, or (VARLEN) row p of the packed row's sequence table seqs [N, 4] int32 (sequence, first token,
+    end token, first chunk), longest sequence first. Returns (V-slice, head, row, offset of the sequence's and
+    head's [K, V] initial / final state, first token, end token, first chunk, number of chunks)."""
+    NV: tl.constexpr = V // BV
+    i_ph, i_v = tl.program_id(0) // NV, tl.program_id(0) % NV
+    i_p, i_h = i_ph // H, i_ph % H
     if VARLEN:
         i_n = tl.load(seqs + 4 * i_p)
         i_b = 0
@@ -56,7 +62,20 @@ def _sequence(i_p, T, NT, seqs, VARLEN: tl.constexpr):
         eos = T
         c0 = 0
         nc = NT
-    return i_n, i_b, bos, eos, c0, nc
+    return i_v, i_h, i_b, (i_n * H + i_h).to(tl.int64) * K * V, bos, eos, c0, nc
+
+
+@triton.jit
+def _state_step(i_s, bos, eos, nc, REVERSE: tl.constexpr):
+    """Step i_s of a sequential kernel over a sequence's nc chunks (last to first when REVERSE): (live, the
+    chunk's index in the sequence, its first and end token). A sequence takes at least MIN_STEPS steps: the steps
+    past its end repeat its last chunk (first, when REVERSE) with live false, and store and carry nothing."""
+    live = tl.full([1, 1], i_s, tl.int32) < nc
+    j = tl.minimum(i_s, nc - 1)
+    if REVERSE:
+        j = nc - 1 - j
+    t0 = bos + j * BT
+    return live, j, t0, tl.minimum(t0 + BT, eos)
 
 
 @triton.jit
