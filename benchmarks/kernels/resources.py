@@ -70,9 +70,13 @@ def main(dtype: str) -> int:
         return {n: t for n in names.split()}
 
     rows = {"chunk_rows": "*i32"}
+
+    def chunked(varlen: bool) -> dict:  # whole rows pass no chunk table: a None argument is a constexpr None
+        return dict(VARLEN=varlen, **({} if varlen else dict(chunk_rows=None)))
+
     ok = []
     for varlen in (False, True):  # whole rows, packed rows (their chunk table)
-        var = dict(VARLEN=varlen, **({} if varlen else dict(chunk_rows=None)))  # None: a constexpr, as at run time
+        var = chunked(varlen)
         tag = " varlen" if varlen else ""
         ok += [
             report("gate_cumsum" + tag, gdt._gate_cumsum_kernel, {**ptrs("g"), **ptrs("G", f32), "lower_bound": "fp32",
@@ -105,10 +109,9 @@ def main(dtype: str) -> int:
         tag = f"BV{c.kwargs['BV']} w{c.num_warps} s{c.num_stages}" + (" varlen" if varlen else "") + \
             ("" if st else " no-states")
         # a kernel argument that is None (no initial state, a whole row's sequence table) is a constexpr None
-        unused = ({} if st else dict(h0=None, ht=None, dht=None, dh0=None)) | \
-            ({} if varlen else dict(seqs=None))
-        fwd_unused = {n: None for n in ("h0", "ht", "seqs") if n in unused}
-        bwd_unused = {n: None for n in ("dht", "dh0", "seqs") if n in unused}
+        no_seqs = {} if varlen else dict(seqs=None)
+        fwd_unused = no_seqs | ({} if st else dict(h0=None, ht=None))
+        bwd_unused = no_seqs | ({} if st else dict(dht=None, dh0=None))
         ok.append(report(f"state_fwd {tag}", gdt._state_fwd_kernel, {**ptrs("kd w u h U"), **ptrs("G h0 ht", f32),
                          **seqs, **INTS}, dict(H=H, K=K, V=V, BV=c.kwargs["BV"], HAS_H0=st, STORE_HT=st,
                                                  VARLEN=varlen, PREC=prec, **fwd_unused),
@@ -123,8 +126,8 @@ def main(dtype: str) -> int:
             ok.append(report(f"bwd_pair {tag}" + (" varlen" if varlen else ""), gdt._bwd_pair_kernel,
                              {**ptrs("q k beta dq dk"), **ptrs("G dAkk dAqk dq_p dk_p dG dbeta", f32),
                               "scale": "fp32", **rows, **INTS},
-                             dict(H=H, K=K, BK=c.kwargs["BK"], PREC=prec, VARLEN=varlen,
-                                  **({} if varlen else dict(chunk_rows=None))), c.num_warps, c.num_stages))
+                             dict(H=H, K=K, BK=c.kwargs["BK"], PREC=prec, **chunked(varlen)), c.num_warps,
+                             c.num_stages))
     return 0 if all(ok) else 1
 
 

@@ -198,7 +198,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f"initial_state must be {(rows, H, K, V)}, got {tuple(initial_state.shape)}")
     scale = K**-0.5 if scale is None else scale
     packed = None if cu_seqlens is None else _packed_row(bounds, q.device)
-    n_chunks = -(-T // CHUNK) if packed is None else packed.chunk_rows.shape[0]
+    n_chunks = _layout(B, T, packed)[0]
     if n_chunks > MAX_CHUNKS:
         raise ValueError(f"{n_chunks} chunks of {CHUNK} tokens in one row, over the {MAX_CHUNKS} a launch grid's axis "
                          "holds: cut the row (kernels.gated_delta_rule runs long rows segment by segment)")

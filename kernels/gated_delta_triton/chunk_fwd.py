@@ -39,10 +39,10 @@ def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, chunk_rows, H: tl.c
     r0 = i_i * BC  # the sub-tile's first row inside the chunk
     kb = (i_b * T * H + i_h) * K
     ab = (i_b * T * H + i_h) * BT
-    o_c = tl.arange(0, BC)
-    p_a, m_a = _tile(ab, t0 + r0, t1, H * BT, 0, BC, BC)  # block (i, 0) of the [BT, BT] rows  [BC, BC]
     if t0 + r0 >= t1:
         return
+    o_c = tl.arange(0, BC)
+    p_a, m_a = _tile(ab, t0 + r0, t1, H * BT, 0, BC, BC)  # block (i, 0) of the [BT, BT] rows  [BC, BC]
     b_Gr = tl.load(G + kb + (t0 + r0) * H * K + tl.arange(0, K))  # [K]
     p_c, m_c = _tile(kb, t0 + r0, t1, H * K, 0, BC, K)
     f_c = tl.exp(tl.where(m_c, tl.load(G + p_c, mask=m_c, other=0.0) - b_Gr[None, :], 0.0))  # <= 1
