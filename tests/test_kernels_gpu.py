@@ -112,6 +112,16 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
             assert rel(a, b) < tol, (row, name, rel(a, b))
 
 
+def test_chunk_triton_refuses_unsafe_inputs():
+    from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
+
+    q, k, v, raw, beta, _ = make_inputs(1, 64, 1, 64, 64, seed=0)
+    with pytest.raises(ValueError, match="log-decay below"):
+        chunk_gated_delta_rule_triton(q, k, v, -F.softplus(raw) - 6, beta)
+    with pytest.raises(ValueError, match="head dim K=32"):  # bf16 gradients went non-finite at K = 32
+        chunk_gated_delta_rule_triton(q[..., :32], k[..., :32], v, raw[..., :32], beta, gate_lower_bound=-5.0)
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_decode_step_matches_reference(inplace):
     from kernels.gated_delta import gated_delta_rule_step
