@@ -135,6 +135,9 @@ class LearnerSection(_Section):
     # torch.compile the model's token-local glue (norms, attention-residual mixes, short convs, gates, RoPE,
     # SwiGLU, routing, the logprob head's blocks: learner/compile.py); the first update pays the compiles
     compile: bool = False
+    # the logprob head computes its gradients in its forward, beside the loss (3 head matmuls per block instead
+    # of 4: learner/logprobs.py); zero_stage 3 keeps the checkpointed head (its weight is gathered per call)
+    fused_head: bool = True
     # rows of at least this many tokens keep their checkpointed layer inputs in host memory (learner/offload.py)
     offload_activations_tokens: int | None = Field(None, ge=1)
     # with gradient checkpointing, rows of fewer tokens run their half-layers without it (activations kept, no

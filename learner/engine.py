@@ -23,8 +23,8 @@ from learner import data_parallel as dp
 from learner import offload, recompute
 from learner.compile import compile_token_local
 from learner.dist import init_distributed
-from learner.logprobs import token_logprobs
-from learner.losses import policy_loss
+from learner.logprobs import fusable_head, token_logprobs, token_loss_and_logprobs
+from learner.losses import policy_loss, policy_token_loss
 from learner.packing import MicroBatch, Sample, make_micro_batches
 
 STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl", "mismatch")
@@ -126,6 +126,9 @@ class Learner:
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config,
         )
         self.engine.train()
+        # the head computes its gradients in the forward (learner.logprobs.fused_head_loss); not over ZeRO-3's
+        # partitioned weight, which only the head's own call gathers
+        self.fused_head = cfg.fused_head and fusable_head(self.module.get_output_embeddings())
         self.reference: torch.nn.Module | None = None
         self.updates = 0
         # Context parallelism: the one seam (learner.context_parallel) that makes the unchanged model's token
@@ -192,9 +195,11 @@ class Learner:
                 raise NotImplementedError("a KL reference (loss.kl_coef > 0) needs zero_stage 0-2")
             self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
 
-    def _update(self, mbs: list[MicroBatch], loss_fn, temperature: float = 1.0) -> dict[str, float]:
+    def _update(self, mbs: list[MicroBatch], loss_fn, temperature: float = 1.0, token_loss_fn=None) -> dict[str, float]:
         """One optimizer step over all micro-batches; loss_fn(mb, logp) -> (loss_sum, stats) summed over tokens;
-        logp is of pi / temperature."""
+        logp is of pi / temperature. ``token_loss_fn(mb)``: the same loss as per-token terms
+        (``learner.logprobs.TokenLoss``) or None; given one, the head computes its gradients in the forward
+        (``learner.fused_head``) and loss_fn only reports the statistics."""
         total = dp.update_tokens(mbs, self.layout)  # loss tokens of the whole update, over all ranks
         # gradient accumulation over exactly these micro-batches (on every rank)
         self.engine.set_train_batch_size(len(mbs) * self.engine.dp_world_size)
@@ -203,8 +208,15 @@ class Learner:
         grad_norm = None
         for k, mb in enumerate(mbs):
             with self.on_shard(mb) as local:  # under CP: this rank's shard; `total` counts the whole rows
-                logp = token_logprobs(self.engine, local, self.forward_kwargs, temperature, compiled=self.cfg.compile)
-                loss_sum, stats = loss_fn(local, logp)
+                token_loss = token_loss_fn(local) if token_loss_fn is not None and self.fused_head else None
+                if token_loss is not None:
+                    loss_sum, logp = token_loss_and_logprobs(self.engine, local, self.forward_kwargs, token_loss,
+                                                             temperature, compiled=self.cfg.compile)
+                    stats = loss_fn(local, logp)[1]
+                else:
+                    logp = token_logprobs(self.engine, local, self.forward_kwargs, temperature,
+                                          compiled=self.cfg.compile)
+                    loss_sum, stats = loss_fn(local, logp)
                 # DeepSpeed divides by the accumulation count and averages over ranks (CP ranks included: each
                 # holds its shard's partial gradient); the result is the token mean of the whole update
                 # (learner.data_parallel)
@@ -249,7 +261,11 @@ class Learner:
                                   mb.ref_logprobs, segments=mb.segment_ids)
                 return out.loss_sum, out.stats
 
-            for k, v in self._update(mbs, loss_fn, temperature).items():
+            def token_loss_fn(mb: MicroBatch):
+                return policy_token_loss(mb.old_logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
+                                         mb.ref_logprobs, segments=mb.segment_ids)
+
+            for k, v in self._update(mbs, loss_fn, temperature, token_loss_fn).items():
                 _accumulate(totals, k, v)
         return self._summarise(totals, U)
 
@@ -261,7 +277,11 @@ class Learner:
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             return -(logp * mb.loss_mask).sum(), {"tokens": float(mb.loss_mask.sum())}
 
-        return self._summarise(self._update(self.rank_micro_batches(samples), loss_fn), 1)
+        def token_loss_fn(mb: MicroBatch):
+            mask = mb.loss_mask.reshape(-1).to(torch.float32)
+            return lambda logp, rows: -logp * mask[rows]
+
+        return self._summarise(self._update(self.rank_micro_batches(samples), loss_fn, token_loss_fn=token_loss_fn), 1)
 
     @staticmethod
     def _summarise(sums: dict[str, float], updates: int) -> dict[str, float]:

@@ -25,6 +25,7 @@ instead of per token: the segment's weight is the geometric mean of its tokens' 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,6 +69,63 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.
     behaviour_logp = rollout_logp  # each token's own, for the mismatch statistic
     if getattr(cfg, "is_level", "token") == "segment" and segments is not None:
         rollout_logp = _segment_mean_logratio(old_logp - rollout_logp, mask, segments, old_logp)
+    t = _token_terms(logp, old_logp, rollout_logp, advantages, mask, cfg, ref_logp)
+    with torch.no_grad():
+        mismatch = (old_logp - behaviour_logp).abs() * mask  # |dlogprob| learner vs rollout, model tokens
+        was_clipped = (t.ratio * advantages > t.clipped * advantages).to(mask.dtype)
+        stats = {
+            "tokens": float(mask.sum()),
+            "clipped": float((was_clipped * mask).sum()),
+            "masked": float((mask - t.keep).sum()),
+            "ratio": float((t.ratio * mask).sum()),
+            "is_weight": float((t.weight * mask).sum()),
+            "kl": float((t.kl * mask).sum()),
+            "mismatch": float(mismatch.sum()),
+            "mismatch_max": float(mismatch.max()) if mismatch.numel() else 0.0,
+        }
+    return LossOutput((t.loss * mask).sum(), stats)
+
+
+def policy_token_loss(old_logp: torch.Tensor | None, rollout_logp: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, cfg: LossSection, ref_logp: torch.Tensor | None = None,
+                      segments: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``policy_loss``'s loss as a sum of per-token terms, for a head that takes each token's gradient as soon as
+    its logprob is known (``learner.logprobs.fused_head_loss``): (logp [n], rows [n], flat indices into the
+    inputs) -> the rows' terms [n]; their sum over the mask's positions is ``policy_loss(...).loss_sum``.
+    ``old_logp`` None: pi_old is pi, detached (one update per step). None where a term needs other tokens' logp
+    (segment-level weights whose pi_old is pi)."""
+    segment_level = getattr(cfg, "is_level", "token") == "segment" and segments is not None
+    if segment_level and old_logp is None:
+        return None
+    mask = mask.to(rollout_logp.dtype)
+    if segment_level:
+        rollout_logp = _segment_mean_logratio(old_logp.detach() - rollout_logp.detach(), mask, segments,
+                                              old_logp.detach())
+    flat = [None if x is None else x.detach().reshape(-1) for x in (old_logp, rollout_logp, advantages, mask,
+                                                                     ref_logp)]
+    old, rollout, adv, m, ref = flat
+
+    def token_loss(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        t = _token_terms(logp, logp.detach() if old is None else old[rows], rollout[rows], adv[rows], m[rows], cfg,
+                         None if ref is None else ref[rows])
+        return t.loss * m[rows]
+
+    return token_loss
+
+
+@dataclass
+class _Terms:
+    loss: torch.Tensor  # the token loss, before the mask
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    weight: torch.Tensor  # truncated importance weight
+    keep: torch.Tensor  # mask without the tokens ``ratio_mask`` drops
+    kl: torch.Tensor
+
+
+def _token_terms(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, cfg: LossSection, ref_logp: torch.Tensor | None) -> _Terms:
+    """The module docstring's token loss, elementwise; old_logp and rollout_logp are detached."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)  # pessimistic bound
@@ -83,20 +141,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.
         d = ref_logp.detach() - logp
         kl = torch.exp(d) - d - 1
         token_loss = token_loss + cfg.kl_coef * kl * mask
-    with torch.no_grad():
-        mismatch = (old_logp - behaviour_logp).abs() * mask  # |dlogprob| learner vs rollout, model tokens
-        was_clipped = (ratio * advantages > clipped * advantages).to(mask.dtype)
-        stats = {
-            "tokens": float(mask.sum()),
-            "clipped": float((was_clipped * mask).sum()),
-            "masked": float((mask - keep).sum()),
-            "ratio": float((ratio * mask).sum()),
-            "is_weight": float((weight * mask).sum()),
-            "kl": float((kl * mask).sum()),
-            "mismatch": float(mismatch.sum()),
-            "mismatch_max": float(mismatch.max()) if mismatch.numel() else 0.0,
-        }
-    return LossOutput((token_loss * mask).sum(), stats)
+    return _Terms(token_loss, ratio, clipped, weight, keep, kl)
 
 
 def _segment_mean_logratio(logratio: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor,

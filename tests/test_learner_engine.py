@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from configs.schema import LearnerSection
+from configs.schema import LearnerSection, LossSection
 from learner.engine import Learner, load_causal_lm
 from learner.packing import Sample, make_micro_batches, plan_micro_batches
 
@@ -105,3 +105,30 @@ def test_logprobs_at_the_rollout_temperature_equal_the_rollouts(tiny_qwen3_dir, 
         ours = torch.tensor(lp[1:])[torch.tensor(s.loss_mask[1:]) == 1]
         assert (ours - served).abs().max() < 1e-4  # fp32 both sides
         assert (torch.tensor(lp1[1:])[torch.tensor(s.loss_mask[1:]) == 1] - served).abs().max() > 1e-2  # T matters
+
+
+@pytest.mark.parametrize("updates_per_step", [1, 2])
+def test_fused_head_trains_like_the_checkpointed_head(tiny_qwen3_dir, updates_per_step):
+    """learner.fused_head (head gradients computed in the forward) against the checkpointed head: the same stats
+    and the same weights after RL updates (with PPO clipping, a KL reference, truncated IS) and an SFT step."""
+    loss = LossSection(kl_coef=0.1, tis_cap=2.0, clip_low=0.1, clip_high=0.1)
+    learners = {f: Learner(tiny_qwen3_dir, LearnerSection(micro_batch_tokens=24, fused_head=f, loss=loss,
+                                                          updates_per_step=updates_per_step), seed=0)
+                for f in (False, True)}
+    assert learners[True].fused_head and not learners[False].fused_head
+    samples = _samples()
+    for s, lp in zip(samples, learners[False].sequence_logprobs(samples)):
+        s.logprobs = [x - 0.1 * (j % 3) if m else 0.0 for j, (x, m) in enumerate(zip(lp, s.loss_mask))]  # off-policy
+    stats = {}
+    for f, learner in learners.items():
+        learner.snapshot_reference()
+        stats[f] = [learner.train_rl(samples, lr=1e-3), learner.train_rl(samples), learner.train_sft(samples)]
+    for a, b in zip(stats[False], stats[True]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    initial = Learner(tiny_qwen3_dir, LearnerSection(), seed=0).get_weights()
+    want, got = learners[False].get_weights(), learners[True].get_weights()
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=0, atol=2e-5)
+    assert sum(not torch.equal(w, initial[k]) for k, w in want.items()) > len(want) // 2  # trained

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from configs.schema import LossSection
-from learner.losses import group_advantages, policy_loss
+from learner.losses import group_advantages, policy_loss, policy_token_loss
 
 
 def test_grpo_advantages_known_group():
@@ -98,3 +98,34 @@ def test_kl_k3_value_and_gradient():
     out.loss_sum.backward()
     # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = -exp(ref - logp) + 1
     assert logp.grad.tolist() == pytest.approx([0.0, 0.5 * (1 - math.exp(d))])
+
+
+@pytest.mark.parametrize("case", ["on_policy", "old_given", "kl_tis_mask", "segments"])
+def test_per_token_terms_sum_to_policy_loss_with_its_gradient(case):
+    """policy_token_loss (the fused head's form of the loss): taken on any split of the positions, its terms sum
+    to policy_loss's loss_sum with the same gradient."""
+    g = torch.Generator().manual_seed(0)
+    n = 40
+    logp = (-torch.rand(n, generator=g) * 3).requires_grad_()
+    rollout = logp.detach() + 0.3 * torch.randn(n, generator=g)
+    old = None if case == "on_policy" else logp.detach() + 0.2 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, generator=g) < 0.7).float()
+    ref = logp.detach() + 0.1 * torch.randn(n, generator=g) if case == "kl_tis_mask" else None
+    segments = torch.where(mask > 0, torch.arange(n) // 7, -1) if case == "segments" else None
+    cfg = _cfg(**dict(kl_coef=0.3, tis_cap=1.5, ratio_mask=(0.6, 1.6)) if case == "kl_tis_mask" else {},
+               **dict(is_level="segment", tis_cap=2.0) if case == "segments" else {})
+    want = policy_loss(logp, logp.detach() if old is None else old, rollout, adv, mask, cfg, ref, segments).loss_sum
+    (want_grad,) = torch.autograd.grad(want, logp)
+    token_loss = policy_token_loss(old, rollout, adv, mask, cfg, ref, segments)
+    rows = torch.randperm(n, generator=g)
+    got = sum(token_loss(logp[r], r).sum() for r in rows.split(9))  # any split, any order
+    (got_grad,) = torch.autograd.grad(got, logp)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_segment_weights_with_pi_old_equal_pi_have_no_per_token_form():
+    mask = torch.ones(4)
+    assert policy_token_loss(None, torch.zeros(4), torch.ones(4), mask, _cfg(is_level="segment"),
+                             segments=torch.zeros(4, dtype=torch.long)) is None

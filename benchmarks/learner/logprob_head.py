@@ -1,5 +1,7 @@
-"""Peak memory of the learner's logprob head: the plain path (full [T, vocab] logits, fp32 log-softmax) against the
-token-chunked head of learner/logprobs.py, forward + backward, each case in its own process.
+"""Peak memory and time of the learner's logprob head: the plain path (full [T, vocab] logits, fp32 log-softmax)
+against the token-chunked heads of learner/logprobs.py, checkpointed (``head_logprobs``) and fused (gradients
+computed in the forward: ``fused_head_loss``, the learner's default), forward + backward of the sum of the
+logprobs, each case in its own process.
 
 CPU: peak resident memory above the process's baseline (``ru_maxrss``); CUDA: ``max_memory_allocated``.
 
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CASE = r"""
 import json, resource, sys, time
 import torch
-from learner.logprobs import head_logprobs
+from learner.logprobs import fused_head_loss, head_logprobs
 
 mode, T, V, D, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.manual_seed(0)
@@ -36,10 +38,12 @@ else:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
 if mode == "plain":
-    lp = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None])[:, 0]
+    loss = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None])[:, 0].sum()
+elif mode == "chunked":
+    loss = head_logprobs(head, hidden, targets).sum()
 else:
-    lp = head_logprobs(head, hidden, targets)
-lp.sum().backward()
+    loss = fused_head_loss(head, hidden, targets, torch.arange(T, device=device), lambda lp, rows: lp)[0]
+loss.backward()
 if device == "cuda":
     torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated() - base
 else:
@@ -70,21 +74,25 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     for T in (int(x) for x in args.tokens.split(",") if x):
-        for mode in ("plain", "chunked"):
+        for mode in ("plain", "chunked", "fused"):
             rows.append(run_case(mode, T, args.vocab, args.hidden, args.device))
             print(json.dumps(rows[-1]), flush=True)
     for T in (int(x) for x in args.chunked_tokens.split(",") if x):
-        rows.append(run_case("chunked", T, args.vocab, args.hidden, args.device))
-        print(json.dumps(rows[-1]), flush=True)
+        for mode in ("chunked", "fused"):
+            rows.append(run_case(mode, T, args.vocab, args.hidden, args.device))
+            print(json.dumps(rows[-1]), flush=True)
     command = "python3 benchmarks/learner/logprob_head.py " + " ".join(sys.argv[1:])
-    lines = [f"# Logprob head peak memory ({args.device}, vocab {args.vocab}, hidden {args.hidden}, fp32)", "",
-             f"Command: `{command}`", "", "| tokens | plain GiB | chunked GiB | plain / chunked |", "|---|---|---|---|"]
+    lines = [f"# Logprob head peak memory and time ({args.device}, vocab {args.vocab}, hidden {args.hidden}, fp32)",
+             "", f"Command: `{command}`", "",
+             "| tokens | plain GiB | chunked GiB | fused GiB | plain / fused | plain s | chunked s | fused s |",
+             "|---|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["tokens"]): r for r in rows}
     for T in sorted({r["tokens"] for r in rows}):
-        pl, ch = by.get(("plain", T), {}), by.get(("chunked", T), {})
-        fmt = lambda r: f"{r['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in r else r.get("error", "not run")[:60]  # noqa: E731
-        ratio = f"{pl['peak_bytes'] / ch['peak_bytes']:.1f}x" if "peak_bytes" in pl and "peak_bytes" in ch else ""
-        lines.append(f"| {T} | {fmt(pl) if pl else 'not run'} | {fmt(ch)} | {ratio} |")
+        pl, ch, fu = (by.get((m, T), {}) for m in ("plain", "chunked", "fused"))
+        gib = lambda r: f"{r['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in r else r.get("error", "not run")[:60]  # noqa: E731
+        sec = lambda r: f"{r['seconds']:.2f}" if "seconds" in r else ""  # noqa: E731
+        ratio = f"{pl['peak_bytes'] / fu['peak_bytes']:.1f}x" if "peak_bytes" in pl and "peak_bytes" in fu else ""
+        lines.append(f"| {T} | {gib(pl)} | {gib(ch)} | {gib(fu)} | {ratio} | {sec(pl)} | {sec(ch)} | {sec(fu)} |")
     out = Path(args.out)
     (out / "logprob_head.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     (out / "logprob_head.md").write_text("\n".join(lines) + "\n")

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "row, the fewest whose predicted peak fits in 95%% of the device's memory)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
+    parser.add_argument("--checkpointed-head", action="store_true",
+                        help="the logprob head checkpointed and recomputed in backward (learner.fused_head: false) "
+                             "instead of computing its gradients in the forward")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--max-step-s", type=float, default=150.0,
                         help="skip a case whose step is predicted (the last case's time scaled by model FLOPs) to "
@@ -131,15 +134,16 @@ def model_flops(config, lengths: list[int], loss_tokens: int, activated_non_embe
     return flops
 
 
-def _layer_times(model, mb, device, compiled: bool = False) -> dict[str, dict[str, float]]:
+def _layer_times(model, mb, device, compiled: bool = False, fused_head: bool = False) -> dict[str, dict[str, float]]:
     """Forward and backward ms of one layer of each kind on this micro-batch's row layout, isolated (on copies,
     so no gradient reaches the engine's parameters); ``compiled``: the head's blocks as ``learner.compile`` runs
-    them (the layers' copies carry their compiled methods already)."""
+    them (the layers' copies carry their compiled methods already); ``fused_head``: the head as
+    ``learner.fused_head`` runs it (its gradients in the forward, with a per-token loss of -logp)."""
     import copy
 
     import torch
 
-    from learner.logprobs import head_logprobs
+    from learner.logprobs import fused_head_loss, head_logprobs
     from model.modeling import _Context
 
     inner = model.get_decoder()
@@ -188,7 +192,12 @@ def _layer_times(model, mb, device, compiled: bool = False) -> dict[str, dict[st
     h = torch.randn(rows, D, device=device, dtype=dtype) * 0.5
     targets = mb.targets.to(device).flatten()[(mb.loss_mask.to(device) != 0).flatten()]
     head = copy.deepcopy(model.get_output_embeddings())
-    out["head"] = {**timed(lambda z: head_logprobs(head, z, targets, compiled=compiled), h), "count": 1}
+    if fused_head:
+        rows_idx = torch.arange(rows, device=device)
+        out["head"] = {**timed(lambda z: fused_head_loss(head, z, targets, rows_idx, lambda lp, r: -lp,
+                                                         compiled=compiled)[0], h), "count": 1}
+    else:
+        out["head"] = {**timed(lambda z: head_logprobs(head, z, targets, compiled=compiled), h), "count": 1}
     return out
 
 
@@ -262,7 +271,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                              offload_activations_tokens=args.offload_tokens or None,
                              recompute_min_tokens=args.recompute_min_tokens,
                              recompute_layers=args.recompute_layers,
-                             compile=args.compile,
+                             compile=args.compile, fused_head=not args.checkpointed_head,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
         print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
@@ -329,9 +338,9 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                    micro_batches=len(mbs))
         if row_tokens <= args.layer_times_max_tokens:
             try:
-                times = _layer_times(learner.module, mbs[0], device, args.compile)
+                times = _layer_times(learner.module, mbs[0], device, args.compile, learner.fused_head)
                 row["layers"] = times
-                again = _recomputed_counts(config, recomputed)  # forwards run twice, by layer type
+                again = _recomputed_counts(config, recomputed, learner.fused_head)  # forwards run twice, by type
                 row["in_step_estimate_s"] = {
                     k: len(mbs) * (v["count"] * (v["fwd_ms"] + v["bwd_ms"]) + again[k] * v["fwd_ms"]) / 1e3
                     for k, v in times.items()}
@@ -349,12 +358,12 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         torch.cuda.empty_cache()
 
 
-def _recomputed_counts(config, k: int) -> dict[str, int]:
+def _recomputed_counts(config, k: int, fused_head: bool = False) -> dict[str, int]:
     """Per layer type (as `_layer_times` keys them), how many of the first ``k`` decoder layers (the checkpointed
-    ones) are of it; the head's blocks count once when any layer is checkpointed."""
+    ones) are of it; the checkpointed head's blocks count once (the fused head recomputes nothing)."""
     dense = min(k, config.first_k_dense)
     return {**{kind: config.layer_kinds[:k].count(kind) for kind in "LSG"}, "MoE": k - dense, "FFN": dense,
-            "head": int(k > 0)}
+            "head": int(not fused_head)}
 
 
 def _case(r: dict) -> str:
@@ -373,7 +382,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              + ("" if (k := meta.get("recompute_layers")) is None else " of as few decoder layers as fit in memory"
                 if k == "auto" else f" of the first {k} decoder layer(s)")
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
-             + (", token-local modules compiled" if meta.get("compile") else "") + ").", "",
+             + (", token-local modules compiled" if meta.get("compile") else "")
+             + (", head gradients in its forward" if meta.get("fused_head") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
              "decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -423,6 +433,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
+            "fused_head": not args.checkpointed_head,
             "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
