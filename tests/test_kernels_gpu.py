@@ -75,8 +75,9 @@ def test_chunk_triton_matches_recurrent(dtype, tol, B, T, H, K, V, fused):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
 @pytest.mark.parametrize("i", range(8))
 def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
-    """The autotuner may pick any of its configs on another GPU or shape: each state-kernel config and each
-    pair-gradient config is checked on its own (config i of each list, cycling). A config that needs more shared
+    """The autotuner may pick any of its configs on another GPU or shape: each state-kernel config it offers at
+    this shape and precision (its early prune; the unpipelined ones run in test_head_dim_256's fp32 autotuning)
+    and each pair-gradient config is checked on its own (config i of each list, cycling). A config that needs more shared
     memory than the GPU has is one the autotuner skips (it times it as infinite): in fp32, where 3xTF32 stages
     more, that ends the case; in bf16 every config must fit."""
     import triton
@@ -93,8 +94,14 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     cu = torch.tensor([0, 1, 64, 129, 300], device="cuda")  # the same tokens as a packed row (its own kernels)
     packed_inputs = [*inputs[:5], torch.randn(4, 2, 128, 128, device="cuda")]
     packed_ref = per_sequence_reference(packed_inputs, cu, dtype)
+    from kernels.gated_delta_triton.chunk_fwd import _state_configs
+    from kernels.gated_delta_triton.common import _prec
+
+    prec = _prec(inputs[0].to(dtype), inputs[2].to(dtype))
     try:
         for kern, configs in kernels.items():
+            if kern is not gdt._bwd_pair_kernel:  # the state configs the autotuner offers at this shape, precision
+                configs = _state_configs(configs, {"K": 128, "V": 128}, PREC=prec)
             kern.configs, kern.cache = [configs[i % len(configs)]], {}
         out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
         packed_out = run(lambda *xs, **kw: gdt.chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw),

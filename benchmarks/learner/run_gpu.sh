@@ -13,6 +13,7 @@
 #   bash benchmarks/learner/run_gpu.sh steady-norecompute  # 64K compiled without gradient checkpointing
 #   bash benchmarks/learner/run_gpu.sh warm kernels    # tests beside the table's compiles; then the table vs fla
 #   TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes  # kernel tests; ours on 4 rows
+#   SHAPE_IDX="3 6 2" METHODS="ours fla" bash benchmarks/learner/run_gpu.sh fixes  # GPU tests; 3 rows, ours and fla
 #   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
 #
@@ -71,11 +72,11 @@ gpu_tests() {  # TESTS_FILES: a subset of the three files
         ${TESTS_FILES:-tests/test_kernels_gpu.py tests/test_model_gpu.py tests/test_model_varlen.py}
 }
 
-table_ours() {  # ours alone on the rows SHAPE_IDX, timed (after their warm_kernels, nothing else on the GPU)
-    local i idx=()
+table_rows() {  # the rows SHAPE_IDX timed for each of METHODS (after their warm_kernels, nothing else on the GPU)
+    local i m idx=()
     for i in ${SHAPE_IDX:-2 3 6 7}; do idx+=(--shape-index "$i"); done
-    step kernels-ours 120 python3 -m marathon.commands.bench_kernels --shapes "${idx[@]}" --method ours \
-        --out "$OUT/kernels-ours"
+    for m in ${METHODS:-ours}; do idx+=(--method "$m"); done
+    step kernels-rows 180 python3 -m marathon.commands.bench_kernels --shapes "${idx[@]}" --out "$OUT/kernels-rows"
 }
 
 kernel_table() {
@@ -96,11 +97,12 @@ for group in "$@"; do
         gpu_tests &
         warm_kernels 520 all "ours fla"
         wait ;;
-    fixes)  # ours on the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests
+    fixes)  # the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests; ours, or
+        # METHODS="ours fla" (both timed on the same card)
         gpu_tests &
-        warm_kernels 240 "${SHAPE_IDX:-2 3 6 7}" ours
+        warm_kernels 300 "${SHAPE_IDX:-2 3 6 7}" "${METHODS:-ours}"
         wait  # the tests too: the table is timed alone
-        table_ours ;;
+        table_rows ;;
     packed-profile)  # per-kernel device times of ours on a 64K row, whole and cut into the table's ragged episodes
         step packed-profile 120 python3 benchmarks/kernels/breakdown.py --tokens 65536 --packed --no-fla \
             --skip accuracy --out "$OUT/packed-profile" ;;
