@@ -37,3 +37,29 @@ def test_shape_table_puts_a_failed_method_in_its_own_cell():
     md = bench_kernels._shapes_markdown({"device": "H200", "fla": "0.6.0", "command": "c"}, rows).splitlines()
     assert md[-2] == "| 1 | 32768 | 8 | 256 | fp32 |  | 16.94 |  |  | OutOfResources: out of resource: shared  |  |  |"
     assert md[-1] == "| 1 | 65536 | 16 | 128 | bf16 | 14 | 7.15 | 3.22 | 0.45 | 19.52 | 15.41 | 0.79 |"
+
+
+def test_warm_shards_split_every_autotuner_configs_between_processes(monkeypatch):
+    """N warm processes (``--warm-shard J/N``) compile every config of a kernel between them, each a disjoint share,
+    one config each where there are fewer configs than processes."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner.prune_configs  # each setattr below is undone after the test
+
+    @triton.autotune(configs=[triton.Config({"B": b}) for b in (1, 2, 4, 8, 16)], key=["n"])
+    @triton.jit
+    def kernel(x, n, B: tl.constexpr):
+        pass
+
+    shares = []
+    for j in range(3):
+        monkeypatch.setattr(Autotuner, "prune_configs", original)
+        bench_kernels._shard_autotuning(f"{j}/3")
+        shares.append([c.kwargs["B"] for c in kernel.prune_configs({})])
+    assert shares == [[1, 8], [2, 16], [4]]
+    for j in range(7):
+        monkeypatch.setattr(Autotuner, "prune_configs", original)
+        bench_kernels._shard_autotuning(f"{j}/7")
+        assert [c.kwargs["B"] for c in kernel.prune_configs({})] == [(1, 2, 4, 8, 16)[j % 5]]

@@ -12,6 +12,7 @@
 #   bash benchmarks/learner/run_gpu.sh steady-ab short  # 64K eager then compiled; the short-length kernel checks
 #   bash benchmarks/learner/run_gpu.sh steady-norecompute  # 64K compiled without gradient checkpointing
 #   bash benchmarks/learner/run_gpu.sh warm kernels    # tests beside the table's compiles; then the table vs fla
+#   bash benchmarks/learner/run_gpu.sh table head      # the table vs fla (compiles sharded, nothing beside); heads
 #   TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes  # kernel tests; ours on 4 rows
 #   SHAPE_IDX="3 6 2" METHODS="ours fla" bash benchmarks/learner/run_gpu.sh fixes  # GPU tests; 3 rows, ours and fla
 #   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
@@ -51,20 +52,28 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 warm_kernels() {  # warm_kernels SECONDS ROWS METHODS: compile the table's rows ROWS ("all", or indices) for each
-    # of METHODS (ours, fla), one process per row and method, all at once
-    local i m t0=$SECONDS limit rows=$2 pids=()
+    # of METHODS (ours, fla), all at once: one process per row and method, fla's in FLA_SHARDS (default 4) processes
+    # per row that compile a share of each kernel's autotuning configs each (fla's fp32 K=V=256 row alone compiled
+    # for 460-490 s in one process)
+    local i m j n t0=$SECONDS limit rows=$2 pids=()
     limit=$(left "$1")
     [[ $rows == all ]] && rows=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(*range(len(SHAPES)))")
     echo "=== warm kernels: rows $rows x ($3) in parallel (limit ${limit}s)"
-    for i in $rows; do  # autotune results stay uncached here: they were timed on a shared GPU
+    for i in $rows; do
         for m in $3; do
-            env -u TRITON_CACHE_AUTOTUNING timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels \
-                --shapes --warm --shape-index "$i" --method $m --out "$OUT/kernels-warm" > "$OUT/kernels-warm-$i-$m.log" 2>&1 &
-            pids+=($!)
+            n=1; [[ $m == fla ]] && n=${FLA_SHARDS:-4}
+            for ((j = 0; j < n; j++)); do
+                timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels --shapes --warm \
+                    --warm-shard "$j/$n" --shape-index "$i" --method $m --out "$OUT/kernels-warm" \
+                    > "$OUT/kernels-warm-$i-$m-$j.log" 2>&1 &
+                pids+=($!)
+            done
         done
     done
     wait "${pids[@]}"  # its own processes only (tests-kernels runs the tests beside them)
-    echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -n 2 "$OUT"/kernels-warm-*.log
+    echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -q -n 1 "$OUT"/kernels-warm-*.log
+    # autotuning timings taken beside the compiles pick nothing: the timed run autotunes alone on the GPU
+    find .tcache/triton -name '*.autotune.json' -delete
 }
 
 gpu_tests() {  # TESTS_FILES: a subset of the three files
@@ -97,6 +106,9 @@ for group in "$@"; do
         gpu_tests &
         warm_kernels 520 all "ours fla"
         wait ;;
+    table)  # the table vs fla: compiled first (sharded, nothing beside), then each autotuned alone on the GPU
+        warm_kernels 330 all "ours fla"
+        kernel_table ;;
     fixes)  # the table's fp32 and packed rows (and the unpacked one beside it) next to the kernel tests; ours, or
         # METHODS="ours fla" (both timed on the same card)
         gpu_tests &
@@ -159,12 +171,12 @@ done
 # at most 8 files come back from a call: the logs and results in one archive, the compile cache in parts
 (cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude 'tcache.tgz.part-*' * && \
     find . -mindepth 1 ! -name results.tgz ! -name device.txt -delete)
-python3 - <<'EOF'  # the compile cache without its intermediate IR (a cache hit loads the json and the cubin)
+python3 - <<'EOF'  # the compile cache without its IR and PTX (a cache hit loads the json and the cubin)
 import json, pathlib
 for grp in pathlib.Path(".tcache/triton").glob("*/__grp__*.json"):
     data = json.loads(grp.read_text())
     kids = data.get("child_paths", {})
-    for name in [n for n in kids if pathlib.Path(n).suffix in (".llir", ".ttir", ".ttgir", ".source")]:
+    for name in [n for n in kids if pathlib.Path(n).suffix in (".llir", ".ttir", ".ttgir", ".source", ".ptx")]:
         (grp.parent / name).unlink(missing_ok=True)
         del kids[name]
     grp.write_text(json.dumps(data))

@@ -21,6 +21,7 @@ from pathlib import Path
 FP32_TOL = 1e-4  # norm-relative error bounds (as in tests/test_kernels_gpu.py)
 BF16_TOL = 2**-6
 CHUNK = 64
+WARM_TOKENS = 16384  # longest unpacked row of a --warm run
 
 
 def register(subparsers) -> None:
@@ -53,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm", action="store_true",
                         help="with --shapes: run each method's forward and backward once and time nothing: fills "
                              "Triton's compile cache (one process per shape in parallel uses the machine's cores; "
-                             "the timed run after it then only autotunes)")
+                             "the timed run after it then only autotunes). Unpacked rows run at most "
+                             f"{WARM_TOKENS} tokens here: the compiled kernels do not depend on the length beyond "
+                             "its divisibility by 16")
+    parser.add_argument("--warm-shard", metavar="J/N", default="0/1",
+                        help="with --warm: compile only every N-th autotuning config of each kernel, from the J-th "
+                             "(0-based): N processes J = 0..N-1 compile one row's configs on N cores")
     parser.add_argument("--method", choices=("ours", "fla"), action="append",
                         help="with --shapes: only this method (repeatable; default both). With --warm, one process "
                              "per shape and method compiles on twice the cores")
@@ -63,6 +69,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checks-json", metavar="CHECKS_JSON",
                         help="with --render-only: take the checks from a --checks-only run's checks.json and "
                              "write the merged results.json to --out")
+
+
+def _shard_autotuning(shard: str) -> None:
+    """Every Triton autotuner of this process (ours and fla's) tries only configs J, J+N, ... of those it would
+    try (``shard`` "J/N"; config J mod their count where they are fewer than N): N warm processes of one row
+    compile its configs side by side. Their timings, taken on a busy GPU, select nothing later: the timed run
+    autotunes over all the configs, whose disk-cache key differs from a shard's."""
+    from triton.runtime.autotuner import Autotuner
+
+    j, n = (int(x) for x in shard.split("/"))
+    if not 0 <= j < n:
+        raise SystemExit(f"--warm-shard {shard}: J must be in 0..N-1")
+    if n == 1:
+        return
+    prune = Autotuner.prune_configs
+
+    def sharded(self, kwargs, *args, **kw):
+        configs = prune(self, kwargs, *args, **kw)
+        return configs[j::n] or configs[j % len(configs):][:1]
+
+    Autotuner.prune_configs = sharded
 
 
 def _bench(fn, rep_ms: float = 200.0) -> float:
@@ -257,7 +284,8 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
     timed = (lambda fn: (fn(), torch.cuda.synchronize(), None)[-1]) if warm else _bench
     for B, T, H, D, dt, packed in (SHAPES[i] for i in indices) if indices else SHAPES:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
-        q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, T, H, D, dtype)]
+        n = min(T, WARM_TOKENS) if warm and not packed else T
+        q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, n, H, D, dtype)]
         cu = None
         if packed:
             cu = torch.tensor([0, *torch.tensor(_packed_lengths(T)).cumsum(0).tolist()], device="cuda")
@@ -536,6 +564,9 @@ def main(args: argparse.Namespace) -> int:
             "command": "marathon bench kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                             if a not in ("bench", "kernels"))}
     if args.shapes:
+        if args.warm:
+            _shard_autotuning(args.warm_shard)
+
         def save(rows):
             (out / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             (out / "shapes.md").write_text(_shapes_markdown(meta, rows))
