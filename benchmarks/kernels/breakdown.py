@@ -64,10 +64,11 @@ def kernel_table(fn, iters: int = 5) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def profile_methods(T: int, have_fla: bool, packed: bool = False) -> dict:
+def profile_methods(T: int, have_fla: bool, packed: bool = False, heads: int = 16, head_dim: int = 128,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
     """Each method on one row of T tokens; with ``packed`` also on the same row cut into the kernel table's ragged
     episodes (``bench_kernels._packed_lengths``), as ``<method>_packed``."""
-    q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(1, T, 16, 128, torch.bfloat16)]
+    q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(1, T, heads, head_dim, dtype)]
     do = torch.randn_like(v)
     cu = torch.tensor([0, *torch.tensor(_packed_lengths(T)).cumsum(0).tolist()], device="cuda")
     cases = [(name, fn, {}) for name, fn in methods(have_fla).items()]
@@ -133,6 +134,9 @@ def accuracy(T: int, heads: int, have_fla: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--heads", type=int, default=16, help="heads of the profiled row")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V of the profiled row")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="inputs of the profiled row")
     p.add_argument("--check-tokens", type=int, default=4096)
     p.add_argument("--check-heads", type=int, default=16, help="fla autotunes per head count: keep it at 16")
     p.add_argument("--skip", default="", help="comma list of: profile, accuracy")
@@ -155,10 +159,12 @@ def main() -> int:
     except ImportError:
         have_fla = False
     skip = set(a.skip.split(","))
-    res = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "have_fla": have_fla}
+    res = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "heads": a.heads, "head_dim": a.head_dim,
+           "dtype": a.dtype, "have_fla": have_fla}
     t0 = time.time()
     if "profile" not in skip:
-        res["profile"] = profile_methods(a.tokens, have_fla, a.packed)
+        res["profile"] = profile_methods(a.tokens, have_fla, a.packed, a.heads, a.head_dim,
+                                         torch.bfloat16 if a.dtype == "bf16" else torch.float32)
         print(f"profile done {time.time() - t0:.0f}s", flush=True)
         save(res, a.out)
     if "accuracy" not in skip:

@@ -17,6 +17,7 @@
 #   SHAPE_IDX="3 6 2" METHODS="ours fla" bash benchmarks/learner/run_gpu.sh fixes  # GPU tests; 3 rows, ours and fla
 #   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
+#   RECOMPUTE_LAYERS=auto HEADS="fused checkpointed" bash benchmarks/learner/run_gpu.sh steady-partial profile-fp32-256
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -52,16 +53,17 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 warm_kernels() {  # warm_kernels SECONDS ROWS METHODS: compile the table's rows ROWS ("all", or indices) for each
-    # of METHODS (ours, fla), all at once: one process per row and method, fla's in FLA_SHARDS (default 4) processes
+    # of METHODS (ours, fla), all at once: one process per row and method, fla's in FLA_SHARDS (default 3) processes
     # per row that compile a share of each kernel's autotuning configs each (fla's fp32 K=V=256 row alone compiled
-    # for 460-490 s in one process)
+    # for 460-490 s in one process; 8 rows in 4 shards each compiled in 135 s on an H100, where 40 processes ran
+    # out of its 80 GB)
     local i m j n t0=$SECONDS limit rows=$2 pids=()
     limit=$(left "$1")
     [[ $rows == all ]] && rows=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(*range(len(SHAPES)))")
     echo "=== warm kernels: rows $rows x ($3) in parallel (limit ${limit}s)"
     for i in $rows; do
         for m in $3; do
-            n=1; [[ $m == fla ]] && n=${FLA_SHARDS:-4}
+            n=1; [[ $m == fla ]] && n=${FLA_SHARDS:-3}
             for ((j = 0; j < n; j++)); do
                 timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels --shapes --warm \
                     --warm-shard "$j/$n" --shape-index "$i" --method $m --out "$OUT/kernels-warm" \
@@ -118,11 +120,19 @@ for group in "$@"; do
     packed-profile)  # per-kernel device times of ours on a 64K row, whole and cut into the table's ragged episodes
         step packed-profile 120 python3 benchmarks/kernels/breakdown.py --tokens 65536 --packed --no-fla \
             --skip accuracy --out "$OUT/packed-profile" ;;
-    steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS
+    steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS,
+        # with each logprob head in HEADS (fused, the default, and/or checkpointed)
         for n in ${RECOMPUTE_LAYERS:-3}; do
-            step steady-partial-$n 150 python3 -m marathon.commands.bench_learner --layouts hybrid --compile \
-                --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 --out "$OUT/steady-partial-$n"
+            for head in ${HEADS:-fused}; do
+                flag=(); [[ $head == checkpointed ]] && flag=(--checkpointed-head)
+                step steady-partial-$n-$head 150 python3 -m marathon.commands.bench_learner --layouts hybrid \
+                    --compile "${flag[@]}" --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 \
+                    --out "$OUT/steady-partial-$n-$head"
+            done
         done ;;
+    profile-fp32-256)  # per-kernel device times of ours on the table's fp32 K=V=256 row (B1 H8 T32K)
+        step profile-fp32-256 120 python3 benchmarks/kernels/breakdown.py --tokens 32768 --heads 8 --head-dim 256 \
+            --dtype fp32 --no-fla --skip accuracy --out "$OUT/profile-fp32-256" ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300 all "ours fla"
         kernel_table ;;

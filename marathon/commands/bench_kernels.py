@@ -21,7 +21,7 @@ from pathlib import Path
 FP32_TOL = 1e-4  # norm-relative error bounds (as in tests/test_kernels_gpu.py)
 BF16_TOL = 2**-6
 CHUNK = 64
-WARM_TOKENS = 16384  # longest unpacked row of a --warm run
+WARM_TOKENS = 8192  # longest unpacked row of a --warm run
 
 
 def register(subparsers) -> None:
