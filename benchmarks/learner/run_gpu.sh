@@ -125,7 +125,7 @@ for group in "$@"; do
         for n in ${RECOMPUTE_LAYERS:-3}; do
             for head in ${HEADS:-fused}; do
                 flag=(); [[ $head == checkpointed ]] && flag=(--checkpointed-head)
-                step steady-partial-$n-$head 150 python3 -m marathon.commands.bench_learner --layouts hybrid \
+                step steady-partial-$n-$head "${STEADY_S:-150}" python3 -m marathon.commands.bench_learner --layouts hybrid \
                     --compile "${flag[@]}" --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 \
                     --out "$OUT/steady-partial-$n-$head"
             done
