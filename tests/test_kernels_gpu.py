@@ -17,6 +17,7 @@ pytestmark = [
 # 8 significant bits and the chunked path rounds several times in sequence (see test_kernels_gated_delta.py).
 FP32_TOL = 1e-4
 BF16_TOL = 2**-6
+TF32_TOL = 2**-9  # fp32 inputs at float32 matmul precision "high": one TF32 product (10-bit mantissa) per dot
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
 
 
@@ -97,11 +98,11 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     from kernels.gated_delta_triton.chunk_fwd import _state_configs
     from kernels.gated_delta_triton.common import _prec
 
-    prec = _prec(inputs[0].to(dtype), inputs[2].to(dtype))
+    prec = _prec(inputs[0].to(dtype))
     try:
         for kern, configs in kernels.items():
             if kern is not gdt._bwd_pair_kernel:  # the state configs the autotuner offers at this shape, precision
-                configs = _state_configs(configs, {"K": 128, "V": 128}, PREC=prec)
+                configs = _state_configs(configs, {"kd": inputs[1].to(dtype), "K": 128, "V": 128}, PREC=prec)
             kern.configs, kern.cache = [configs[i % len(configs)]], {}
         out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
         packed_out = run(lambda *xs, **kw: gdt.chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw),
@@ -204,7 +205,7 @@ def test_packed_ragged_row_through_the_model_dispatch(dtype, tol):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
-def fused_kernel_matches_recurrent(inputs, dtype, tol):
+def fused_kernel_matches_recurrent(inputs, dtype, tol) -> list[torch.Tensor]:
     from kernels.gated_delta import recurrent_gated_delta_rule
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton
 
@@ -214,6 +215,21 @@ def fused_kernel_matches_recurrent(inputs, dtype, tol):
     for name, a, b in zip(NAMES, out, ref):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < tol, (name, rel(a, b))
+    return out
+
+
+@pytest.mark.parametrize("K", [64, 256])
+def test_fp32_follows_float32_matmul_precision(K):
+    """fp32 inputs at precision "high" run one TF32 product per dot (fla's fp32 dots; about 3x less tensor-core
+    work than the default's 3xTF32): within TF32_TOL of the reference, and not the default's numbers."""
+    inputs = make_inputs(1, 200, 2, K, K, seed=5)
+    exact = fused_kernel_matches_recurrent(inputs, torch.float32, FP32_TOL)
+    torch.set_float32_matmul_precision("high")
+    try:
+        fast = fused_kernel_matches_recurrent(inputs, torch.float32, TF32_TOL)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert not torch.equal(exact[0], fast[0])
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])

@@ -105,28 +105,35 @@ def tuned_configs() -> dict:
             if getattr(getattr(gdt, name), "best_config", None) is not None}
 
 
-def accuracy(T: int, heads: int, have_fla: bool) -> dict:
-    """Norm-relative error of each output and gradient, bf16 inputs, against the chunked path in fp64 on
-    the same rounded inputs (fp32 initial state)."""
+def accuracy(T: int, heads: int, have_fla: bool, head_dim: int = 128) -> dict:
+    """Norm-relative error of each output and gradient against the chunked path in fp64 on the same rounded
+    inputs (fp32 initial state): each method in bf16 and fp32 (fla's fp32 dots are TF32), ours in fp32 also at
+    float32 matmul precision "high" (``ours_tf32``: one TF32 product per dot, like fla's), and the chunked PyTorch
+    path in bf16. fp32 rows see fp32 inputs, bf16 rows the same inputs rounded to bf16."""
     from kernels.chunked_gated_delta import chunk_gated_delta_rule
 
-    case = kda_check_case(1, T, heads, 128)
-    x = [t.to(torch.bfloat16) for t in case[0]]  # every method sees the same bf16-representable inputs
-    ref = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.float64, False)
+    case = kda_check_case(1, T, heads, head_dim)
     res = {}
-    cands = dict(methods(have_fla))
-    cands["torch_chunked_bf16"] = None
-    cands["ours_fp32"] = cands["ours"]
-    for name in cands:
+    cands = {f"{name}_{dt}": (fn, dt) for dt in ("bf16", "fp32") for name, fn in methods(have_fla).items()}
+    cands = {**cands, "ours_tf32": (cands["ours_fp32"][0], "tf32"), "torch_chunked_bf16": (None, "bf16")}
+    refs = {}
+    for name, (fn, dt) in cands.items():
+        x = [t.to(torch.bfloat16) if dt == "bf16" else t for t in case[0]]
+        rounded = dt == "bf16"  # the fp64 reference on bf16-rounded or on fp32 inputs
+        if rounded not in refs:
+            refs[rounded] = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.float64, False)
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float32
+        torch.set_float32_matmul_precision("high" if dt == "tf32" else "highest")
         try:
-            if cands[name] is None:
-                out = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.bfloat16, False)
+            if fn is None:
+                out = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, dtype, False)
             else:
-                dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
-                out = kda_outputs_and_grads(cands[name], case, x, dtype, True)
-            res[name] = {n: _rel(a, b) for n, a, b in zip(NAMES, out, ref)}
+                out = kda_outputs_and_grads(fn, case, x, dtype, True)
+            res[name] = {n: _rel(a, b) for n, a, b in zip(NAMES, out, refs[rounded])}
         except Exception as e:
             res[name] = {"error": repr(e)[:300]}
+        finally:
+            torch.set_float32_matmul_precision("highest")
         print(name, json.dumps(res[name]), flush=True)
     return res
 
@@ -139,6 +146,7 @@ def main() -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="inputs of the profiled row")
     p.add_argument("--check-tokens", type=int, default=4096)
     p.add_argument("--check-heads", type=int, default=16, help="fla autotunes per head count: keep it at 16")
+    p.add_argument("--check-head-dim", type=int, default=128, help="K = V of the accuracy check")
     p.add_argument("--skip", default="", help="comma list of: profile, accuracy")
     p.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     p.add_argument("--packed", action="store_true", help="also profile each method on the row cut into ragged episodes")
@@ -168,7 +176,7 @@ def main() -> int:
         print(f"profile done {time.time() - t0:.0f}s", flush=True)
         save(res, a.out)
     if "accuracy" not in skip:
-        res["accuracy"] = accuracy(a.check_tokens, a.check_heads, have_fla)
+        res["accuracy"] = accuracy(a.check_tokens, a.check_heads, have_fla, a.check_head_dim)
         print(f"accuracy done {time.time() - t0:.0f}s", flush=True)
         save(res, a.out)
     res["tuned"] = tuned_configs()

@@ -5,7 +5,9 @@ show up here before any device time is spent.
 Needs a Triton with the NVIDIA backend (ptxas, cuobjdump), e.g. the device's version in a side folder:
 
     pip install --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36:. .venv/bin/python benchmarks/kernels/resources.py [bf16|fp32] [head dim, 128]
+    PYTHONPATH=/tmp/t36:. .venv/bin/python benchmarks/kernels/resources.py [bf16|fp32] [head dim, 128] [highest|high]
+
+(the third argument: ``torch.set_float32_matmul_precision``, which picks fp32's dots: 3xTF32 or TF32).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 H = 16
 K = V = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+if len(sys.argv) > 3:
+    torch.set_float32_matmul_precision(sys.argv[3])
 INTS = {"T": "i32", "NT": "i32"}
 
 
@@ -63,7 +67,7 @@ def report(name: str, kernel, types: dict, constants: dict, num_warps: int = 4, 
 
 
 def main(dtype: str) -> int:
-    prec = _prec(torch.empty(0, K, dtype=DTYPES[dtype]), torch.empty(0, V))  # the dots the dispatch picks
+    prec = _prec(torch.empty(0, K, dtype=DTYPES[dtype]))  # the dots the dispatch picks
     x, f32 = f"*{dtype}", "*fp32"
 
     def ptrs(names: str, t: str = x) -> dict:

@@ -18,6 +18,7 @@
 #   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
 #   RECOMPUTE_LAYERS=auto HEADS="fused checkpointed" bash benchmarks/learner/run_gpu.sh steady-partial profile-fp32-256
+#   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -133,6 +134,14 @@ for group in "$@"; do
     profile-fp32-256)  # per-kernel device times of ours on the table's fp32 K=V=256 row (B1 H8 T32K)
         step profile-fp32-256 120 python3 benchmarks/kernels/breakdown.py --tokens 32768 --heads 8 --head-dim 256 \
             --dtype fp32 --no-fla --skip accuracy --out "$OUT/profile-fp32-256" ;;
+    accuracy)  # every output's and gradient's error against fp64 (4K tokens) at each head dim of ACC_DIMS (default
+        # 128 256), heads as in the table's rows (fla compiles per head count): ours and fla in bf16 and in fp32
+        # (fla's fp32 dots are TF32), ours also at float32 matmul precision "high" (TF32)
+        for d in ${ACC_DIMS:-128 256}; do
+            h=16; ((d == 256)) && h=8; ((d == 64)) && h=32
+            step accuracy-$d 150 python3 benchmarks/kernels/breakdown.py --skip profile --check-tokens 4096 \
+                --check-heads $h --check-head-dim "$d" --out "$OUT/accuracy-$d"
+        done ;;
     kernels)  # the table vs fla: compiled first, one process per shape at once, then timed one shape after another
         warm_kernels 300 all "ours fla"
         kernel_table ;;

@@ -23,7 +23,8 @@ program per 16-row sub-tile) -> dg, the chunk's reverse cumsum of dG. Only the s
 two sequential kernels; everything else is prepared by parallel kernels. Intermediates are kept from the
 forward (no recompute). The pair products take fp32 operands (tf32 for 16-bit inputs): the gate gradient is
 a difference of nearly equal terms and bf16 operands there cost a 10x larger error
-(benchmarks/kernels/NOTES.md). Plain pointer arithmetic throughout, so the kernels also run under Triton's
+(benchmarks/kernels/NOTES.md); the two backward pair products whose errors cancel in it run in 3xTF32 always
+(chunk_bwd._bwd_pair_kernel). Plain pointer arithmetic throughout, so the kernels also run under Triton's
 CPU interpreter (tests/test_kernels_triton_interpret.py).
 
 Shapes (as in ``kernels/gated_delta.py``): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];

@@ -26,13 +26,13 @@ def _state_grid(N: int, H: int, V: int):
     return lambda meta: (N * H * (V // meta["BV"]),)
 
 
-def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
-    """``packed``: None (B rows of T tokens), or a packed row's _PackedRow."""
+def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed, prec):
+    """``packed``: None (B rows of T tokens), or a packed row's _PackedRow; ``prec``: the dots' precision
+    (common._prec)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT, N, rows, seqs = _layout(B, T, packed)
     var = dict(VARLEN=packed is not None)
-    prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
     _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, rows, H, K, GATE=lower_bound is not None, **var)
@@ -57,13 +57,12 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed):
     return o, ht, (G, Aqk, Tinv, w, kd, qg, h, U)
 
 
-def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, saved, do, dht):
+def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, prec, saved, do, dht):
     G, Aqk, Tinv, w, kd, qg, h, U = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT, N, rows, seqs = _layout(B, T, packed)
     var = dict(VARLEN=packed is not None)
-    prec = _prec(q, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dh = torch.empty_like(h)
@@ -104,16 +103,17 @@ class ChunkGatedDeltaRuleTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, packed):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.float().contiguous()
-        o, ht, saved = _forward(q, k, v, g, beta, scale, h0, output_final_state, lower_bound, packed)
+        prec = _prec(q)  # fixed at the forward: the backward runs at the same precision whatever is set by then
+        o, ht, saved = _forward(q, k, v, g, beta, scale, h0, output_final_state, lower_bound, packed, prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *saved)
-        ctx.scale, ctx.lower_bound, ctx.packed = scale, lower_bound, packed
+        ctx.scale, ctx.lower_bound, ctx.packed, ctx.prec = scale, lower_bound, packed, prec
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, ctx.scale, h0, ctx.lower_bound, ctx.packed, saved,
-                                               do, None if dht is None else dht.float().contiguous())
+        dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, ctx.scale, h0, ctx.lower_bound, ctx.packed,
+                                               ctx.prec, saved, do, None if dht is None else dht.float().contiguous())
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 

@@ -24,7 +24,7 @@ def _bwd_intra_dU_kernel(Aqk, do, dU, T, chunk_rows, H: tl.constexpr, V: tl.cons
     tl.store(dU + p_y, b_dU, mask=m_t)
 
 
-@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"], restore_value=["dU"],
+@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V", "PREC"], restore_value=["dU"],
                  prune_configs_by={"early_config_prune": _state_configs})
 @triton.jit
 def _state_bwd_kernel(qg, kd, G, w, do, dh, dU, dht, dh0, seqs, T, NT, H: tl.constexpr,
@@ -177,12 +177,15 @@ PAIR_CONFIGS = [triton.Config({"BK": bk}, num_warps=nw, num_stages=ns) for bk in
                 for ns in (2, 3)]
 
 
-@triton.autotune(configs=PAIR_CONFIGS, key=["H", "K"], restore_value=["dbeta", "dG"])
+@triton.autotune(configs=PAIR_CONFIGS, key=["H", "K", "PREC"], restore_value=["dbeta", "dG"])
 @triton.jit
 def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, scale, T, chunk_rows,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The pair terms of Aqk and Akk for one 16-row sub-tile i and one K-slice, as [16, 16] x [16, BK] products
-    with fp32 operands (tf32 for 16-bit inputs: the gate gradient is a difference of nearly equal terms):
+    with fp32 operands. The gate gradient is a difference of nearly equal terms: the Aqk terms of dq (times q) and
+    of dk (times k) cancel, so those two products run in 3xTF32 whatever PREC is (in tf32 their rounding errors
+    do not cancel: 2.8x the gate-gradient error of the other gradients, 1.0x in 3xTF32, Triton's interpreter
+    with TF32 emulated; measured on the GPU by benchmarks/kernels/breakdown.py); the Akk terms run in PREC.
     rows side over the key blocks j <= i (dq, d(beta k) of the sub-tile's rows, reference = its first row),
     columns side over the row blocks j >= i (dk of its keys, reference = its last valid row). Adds the
     state-side partials and writes dq, dk and dG, the gate gradient before the chunk's reverse cumsum
@@ -212,7 +215,7 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
         b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
         b_kj *= tl.exp(tl.where(m_j, b_Gr[None, :] - tl.load(G + p_j, mask=m_j, other=0.0), 0.0))
         p_a, _ = _tile(ab, t0 + r0, t1, H * BT, i_j * BC, BC, BC)  # dA[rows of i, keys of j]  [BC, BC]
-        b_dq += tl.dot(tl.load(dAqk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
+        b_dq += tl.dot(tl.load(dAqk + p_a, mask=m_c, other=0.0), b_kj, input_precision="tf32x3")
         b_dbk += tl.dot(tl.load(dAkk + p_a, mask=m_c, other=0.0), b_kj, input_precision=PREC)
     f_r = tl.exp(tl.where(m_c, b_Gc - b_Gr[None, :], 0.0))  # <= 1
     b_dq *= scale * f_r
@@ -227,7 +230,7 @@ def _bwd_pair_kernel(q, k, G, beta, dAkk, dAqk, dq_p, dk_p, dG, dq, dk, dbeta, s
         b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * scale
         b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32) * f_j * b_bj[:, None]
         p_a, m_a = _tile(ab, r_j, t1, H * BT, r0, BC, BC)  # dA[rows of j, keys of i]  [BC, BC]
-        b_dkc += tl.dot(tl.trans(tl.load(dAqk + p_a, mask=m_a, other=0.0)), b_qj, input_precision=PREC)
+        b_dkc += tl.dot(tl.trans(tl.load(dAqk + p_a, mask=m_a, other=0.0)), b_qj, input_precision="tf32x3")
         b_dkc += tl.dot(tl.trans(tl.load(dAkk + p_a, mask=m_a, other=0.0)), b_kj, input_precision=PREC)
     b_dkc *= tl.exp(tl.where(m_c, b_Gl[None, :] - b_Gc, 0.0))  # <= 1
     # the gate gradient (before the reverse cumsum), dbeta, and the state-side partials

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -139,9 +140,10 @@ def _solve_wy_kernel(q, k, v, G, beta, Akk, Tinv, w, u, kd, qg, scale, T, chunk_
 # operands earlier (-0.8 ms of 15.8 at 64K tokens, benchmarks/kernels/NOTES.md; BV = 64 with 3 stages needs
 # 256 KiB of shared memory in fp32). 4 warps: with 2 the state kernels spill heavily (and one such config
 # crashed on the H200).
-# In fp32 (3xTF32 dots) with a head dim over 128 a pipelined config does not fit in shared memory: the next chunk's
-# three [64, 256] fp32 operands are copied in while the current ones are used (237,568 B at the smallest, of the
-# H200's 232,448; benchmarks/kernels/resources.py). Unpipelined (num_stages 1) they need 64 KiB (BV 16, 32):
+# With fp32 operands and a head dim over 128 no pipelined config of the backward state kernel fits in shared memory:
+# the next chunk's [64, 256] fp32 operands are copied in while the current ones are used (237,568 B at the smallest
+# in 3xTF32, 425,984 B in TF32, whose dots stage their operands in shared memory; the H200's limit is 232,448;
+# benchmarks/kernels/resources.py). Unpipelined (num_stages 1) they fit (BV 16, 32 in 3xTF32, BV 16 in TF32):
 # such shapes get only the unpipelined configs, every other shape only the pipelined ones (_state_configs).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, ns in ((16, 2), (32, 2), (64, 2),
                                                                                     (16, 3), (32, 3), (16, 1),
@@ -150,11 +152,11 @@ STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=ns) for bv, n
 
 def _state_configs(configs, named_args, **kwargs):
     """The autotuner's early prune of STATE_CONFIGS: unpipelined configs exactly where pipelined ones do not fit."""
-    wide = kwargs["PREC"] == "tf32x3" and max(named_args["K"], named_args["V"]) > 128
+    wide = named_args["kd"].dtype == torch.float32 and max(named_args["K"], named_args["V"]) > 128
     return [c for c in configs if (c.num_stages == 1) == wide]
 
 
-@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V"],
+@triton.autotune(configs=STATE_CONFIGS, key=["H", "K", "V", "PREC"],
                  prune_configs_by={"early_config_prune": _state_configs})
 @triton.jit
 def _state_fwd_kernel(kd, G, w, u, h, U, h0, ht, seqs, T, NT, H: tl.constexpr, K: tl.constexpr,

@@ -124,10 +124,15 @@ def _diagonal_inverses16(A, n, RS: tl.constexpr):
     return b_X0 + b_I, b_X1 + b_I, b_X2 + b_I, b_X3 + b_I
 
 
-def _prec(q: torch.Tensor, v: torch.Tensor) -> str:
-    """fp32 inputs get fp32-accurate dots on the tensor cores: 3xTF32 (each operand split into a tf32 head and
-    tail, three tf32 products), within the 1e-4 reference tolerance; the plain fp32 ("ieee") dots ran on the CUDA
-    cores, 8x slower than 3xTF32 at K = V = 64 and 18x slower than fla at K = V = 256 on the H200 (at 256 the
-    state kernels need their unpipelined configs in 3xTF32: STATE_CONFIGS). For 16-bit inputs, dots of 16-bit
-    operands run as bf16/fp16 on the tensor cores and dots of fp32 operands (the pair products) as tf32."""
-    return "tf32x3" if q.dtype == torch.float32 else "tf32"
+def _prec(q: torch.Tensor) -> str:
+    """The dots' precision for inputs like ``q``. fp32 inputs follow ``torch.get_float32_matmul_precision()``, as
+    torch's own fp32 matmuls do: "highest" (the default) gives fp32-accurate dots on the tensor cores, 3xTF32 (each
+    operand split into a tf32 head and tail, three tf32 products), within the 1e-4 reference tolerance; "high" or
+    "medium" give one tf32 product per dot (what fla's kernels use for fp32 inputs), about 3x less tensor-core
+    work at 10-bit mantissa products. The plain fp32 ("ieee") dots ran on the CUDA cores, 8x slower than 3xTF32 at
+    K = V = 64 and 18x slower than fla at K = V = 256 on the H200 (at 256 the state kernels need their
+    unpipelined configs in 3xTF32: STATE_CONFIGS). For 16-bit inputs, dots of 16-bit operands run as bf16/fp16 on
+    the tensor cores and dots of fp32 operands (the pair products) as tf32."""
+    if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "tf32x3"
+    return "tf32"

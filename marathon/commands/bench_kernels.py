@@ -254,10 +254,12 @@ def _bench_kda(B, T, H, D, sdpa_max: int, torch_max: int, have_fla: bool) -> lis
     return rows
 
 
-# The shapes the model runs (head dims 64/128/256, 1-32 heads, packed rows), (B, T, H, D, dtype, packed lengths)
+# The shapes the model runs (head dims 64/128/256, 1-32 heads, packed rows), (B, T, H, D, dtype, packed lengths).
+# "fp32": fp32 inputs at torch's default float32 matmul precision ("highest": our dots run as 3xTF32, fp32-accurate);
+# "tf32": fp32 inputs at precision "high" (ours one TF32 product per dot, as fla's fp32 dots always are).
 SHAPES = [(4, 8192, 32, 64, "bf16", None), (1, 32768, 8, 256, "bf16", None), (1, 32768, 8, 256, "fp32", None),
           (1, 65536, 16, 128, "bf16", None), (1, 16384, 1, 128, "bf16", None), (2, 16384, 32, 128, "bf16", None),
-          (1, 65536, 16, 128, "bf16", "packed"), (1, 8192, 32, 64, "fp32", None)]
+          (1, 65536, 16, 128, "bf16", "packed"), (1, 8192, 32, 64, "fp32", None), (1, 32768, 8, 256, "tf32", None)]
 
 
 def _packed_lengths(T: int, seed: int = 0) -> list[int]:
@@ -280,10 +282,11 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
 
     import kernels
 
-    rows = []
+    rows, precision = [], torch.get_float32_matmul_precision()
     timed = (lambda fn: (fn(), torch.cuda.synchronize(), None)[-1]) if warm else _bench
     for B, T, H, D, dt, packed in (SHAPES[i] for i in indices) if indices else SHAPES:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
+        torch.set_float32_matmul_precision("high" if dt == "tf32" else "highest")
         n = min(T, WARM_TOKENS) if warm and not packed else T
         q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, n, H, D, dtype)]
         cu = None
@@ -314,6 +317,7 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
         print(json.dumps(row), flush=True)
         rows.append(row)
         save(rows)
+    torch.set_float32_matmul_precision(precision)
     return rows
 
 
@@ -321,7 +325,9 @@ def _shapes_markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Gated delta rule per model shape ({meta['device']}, fla {meta['fla']})", "",
              f"Command: `{meta['command']}`. Ours through `kernels.gated_delta_rule` with the gate fused, as the "
              "model calls it; fla's `chunk_kda(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5)`. "
-             "Ratios are throughput, ours / fla (> 1: ours faster).", "",
+             "Ratios are throughput, ours / fla (> 1: ours faster). dtype fp32: fp32 inputs, our dots 3xTF32 "
+             "(fp32-accurate, torch's default float32 matmul precision 'highest'); tf32: fp32 inputs at precision "
+             "'high', our dots one TF32 product each. fla's fp32 dots are TF32 in both.", "",
              "| B | T | H | K=V | dtype | packed seqs | ours fwd ms | fla fwd ms | fwd ratio | ours fwd+bwd ms | "
              "fla fwd+bwd ms | fwd+bwd ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
