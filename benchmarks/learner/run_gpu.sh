@@ -118,6 +118,8 @@ for group in "$@"; do
         warm_kernels 300 "${SHAPE_IDX:-2 3 6 7}" "${METHODS:-ours}"
         wait  # the tests too: the table is timed alone
         table_rows ;;
+    rows)  # the rows SHAPE_IDX timed for METHODS on what the carried cache holds (no warm, no tests)
+        table_rows ;;
     packed-profile)  # per-kernel device times of ours on a 64K row, whole and cut into the table's ragged episodes
         step packed-profile 120 python3 benchmarks/kernels/breakdown.py --tokens 65536 --packed --no-fla \
             --skip accuracy --out "$OUT/packed-profile" ;;
