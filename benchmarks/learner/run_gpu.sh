@@ -19,6 +19,7 @@
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
 #   RECOMPUTE_LAYERS=auto HEADS="fused checkpointed" bash benchmarks/learner/run_gpu.sh steady-partial profile-fp32-256
 #   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
+#   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
