@@ -96,13 +96,11 @@ def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     packed_inputs = [*inputs[:5], torch.randn(4, 2, 128, 128, device="cuda")]
     packed_ref = per_sequence_reference(packed_inputs, cu, dtype)
     from kernels.gated_delta_triton.chunk_fwd import _state_configs
-    from kernels.gated_delta_triton.common import _prec
 
-    prec = _prec(inputs[0].to(dtype))
     try:
         for kern, configs in kernels.items():
             if kern is not gdt._bwd_pair_kernel:  # the state configs the autotuner offers at this shape, precision
-                configs = _state_configs(configs, {"kd": inputs[1].to(dtype), "K": 128, "V": 128}, PREC=prec)
+                configs = _state_configs(configs, {"kd": inputs[1].to(dtype), "K": 128, "V": 128})
             kern.configs, kern.cache = [configs[i % len(configs)]], {}
         out = run(gdt.chunk_gated_delta_rule_triton, inputs, dtype, "fused")
         packed_out = run(lambda *xs, **kw: gdt.chunk_gated_delta_rule_triton(*xs, cu_seqlens=cu, **kw),
@@ -222,13 +220,12 @@ def fused_kernel_matches_recurrent(inputs, dtype, tol) -> list[torch.Tensor]:
 def test_fp32_follows_float32_matmul_precision(K):
     """fp32 inputs at precision "high" run one TF32 product per dot (fla's fp32 dots; about 3x less tensor-core
     work than the default's 3xTF32): within TF32_TOL of the reference, and not the default's numbers."""
+    from kernels.gated_delta_triton import float32_matmul_precision
+
     inputs = make_inputs(1, 200, 2, K, K, seed=5)
     exact = fused_kernel_matches_recurrent(inputs, torch.float32, FP32_TOL)
-    torch.set_float32_matmul_precision("high")
-    try:
+    with float32_matmul_precision("high"):
         fast = fused_kernel_matches_recurrent(inputs, torch.float32, TF32_TOL)
-    finally:
-        torch.set_float32_matmul_precision("highest")
     assert not torch.equal(exact[0], fast[0])
 
 

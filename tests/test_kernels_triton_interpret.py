@@ -131,7 +131,7 @@ def test_state_kernels_run_unpipelined_only_where_pipelined_configs_do_not_fit()
 
     def stages(dtype, K, V):
         args = {"kd": torch.empty(0, dtype=dtype), "K": K, "V": V}
-        return {c.num_stages for c in _state_configs(STATE_CONFIGS, args, PREC="tf32", VARLEN=False)}
+        return {c.num_stages for c in _state_configs(STATE_CONFIGS, args)}
 
     assert stages(torch.float32, 256, 256) == stages(torch.float32, 64, 256) == {1}
     assert stages(torch.float32, 128, 128) == stages(torch.bfloat16, 256, 256) == stages(torch.float16, 64, 64) == {2, 3}
@@ -142,16 +142,15 @@ def test_fp32_dots_follow_torchs_float32_matmul_precision():
     kernels use); 16-bit inputs: tf32 for the fp32 pair products whatever is set."""
     import torch
 
+    from kernels.gated_delta_triton import float32_matmul_precision
     from kernels.gated_delta_triton.common import _prec
 
     f32, bf16 = torch.empty(0), torch.empty(0, dtype=torch.bfloat16)
     assert torch.get_float32_matmul_precision() == "highest"
     assert (_prec(f32), _prec(bf16)) == ("tf32x3", "tf32")
-    torch.set_float32_matmul_precision("high")
-    try:
+    with float32_matmul_precision("high"):
         assert (_prec(f32), _prec(bf16)) == ("tf32", "tf32")
-    finally:
-        torch.set_float32_matmul_precision("highest")
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
 
 
 def test_row_of_more_chunks_than_a_grid_axis_holds_is_refused():

@@ -123,17 +123,15 @@ def accuracy(T: int, heads: int, have_fla: bool, head_dim: int = 128) -> dict:
         if rounded not in refs:
             refs[rounded] = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, torch.float64, False)
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
-        torch.set_float32_matmul_precision("high" if dt == "tf32" else "highest")
         try:
-            if fn is None:
-                out = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, dtype, False)
-            else:
-                out = kda_outputs_and_grads(fn, case, x, dtype, True)
+            with gdt.float32_matmul_precision("high" if dt == "tf32" else "highest"):
+                if fn is None:
+                    out = kda_outputs_and_grads(chunk_gated_delta_rule, case, x, dtype, False)
+                else:
+                    out = kda_outputs_and_grads(fn, case, x, dtype, True)
             res[name] = {n: _rel(a, b) for n, a, b in zip(NAMES, out, refs[rounded])}
         except Exception as e:
             res[name] = {"error": repr(e)[:300]}
-        finally:
-            torch.set_float32_matmul_precision("highest")
         print(name, json.dumps(res[name]), flush=True)
     return res
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -136,3 +139,15 @@ def _prec(q: torch.Tensor) -> str:
     if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "tf32x3"
     return "tf32"
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(precision)`` inside the block (which _prec then reads), the earlier
+    setting restored after it."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)

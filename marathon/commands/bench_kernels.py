@@ -281,12 +281,12 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
     import torch
 
     import kernels
+    from kernels.gated_delta_triton import float32_matmul_precision
 
-    rows, precision = [], torch.get_float32_matmul_precision()
+    rows = []
     timed = (lambda fn: (fn(), torch.cuda.synchronize(), None)[-1]) if warm else _bench
     for B, T, H, D, dt, packed in (SHAPES[i] for i in indices) if indices else SHAPES:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
-        torch.set_float32_matmul_precision("high" if dt == "tf32" else "highest")
         n = min(T, WARM_TOKENS) if warm and not packed else T
         q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(B, n, H, D, dtype)]
         cu = None
@@ -305,9 +305,10 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
             if only and name not in only:
                 continue
             try:
-                with torch.no_grad():
-                    row[f"{name}_fwd_ms"] = timed(fwd)
-                row[f"{name}_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(fwd(), (q, k, v, raw, beta), do))
+                with float32_matmul_precision("high" if dt == "tf32" else "highest"):
+                    with torch.no_grad():
+                        row[f"{name}_fwd_ms"] = timed(fwd)
+                    row[f"{name}_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(fwd(), (q, k, v, raw, beta), do))
             except Exception as e:  # noqa: BLE001 - a failing method is a table entry, not a crashed run
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             torch.cuda.empty_cache()
@@ -317,7 +318,6 @@ def _bench_shapes(have_fla: bool, save, indices: list[int] | None = None, warm: 
         print(json.dumps(row), flush=True)
         rows.append(row)
         save(rows)
-    torch.set_float32_matmul_precision(precision)
     return rows
 
 
