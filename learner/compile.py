@@ -6,7 +6,7 @@ the checkpointed recompute: RMSNorms, the attention-residual mixes, the short co
 RoPE, SwiGLU's gate. The matmuls and the attention / KDA kernels are a third. ``compile_token_local`` hands every
 such function to ``torch.compile`` (Inductor fuses each into a few kernels, forward and backward), as
 torchtitan's ``apply_compile`` compiles its blocks (https://github.com/pytorch/torchtitan): the forward of the
-token-local modules and the token-local methods of the attention layers and the MoE router. Only plain tensor
+token-local modules and the token-local methods of the attention layers and the MoE router and experts. Only plain tensor
 math is compiled, so there is no graph break and no recompile per packing: the layers' Python around it
 (packed-row bounds, token chunks, segments, the Triton kernels, attention, expert dispatch) stays eager.
 
@@ -28,7 +28,7 @@ from model.attention.linear import LinearAttention
 from model.attention.mla import GatedMLA
 from model.attention.sliding import SlidingWindowAttention
 from model.attn_residual import AttnResidualMix
-from model.moe import Router, SwiGLU
+from model.moe import Experts, Router, SwiGLU
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding
 
@@ -40,6 +40,16 @@ TOKEN_LOCAL_METHODS = {
     SlidingWindowAttention: ("_qkv",),
     GatedMLA: ("_gated_output",),
     Router: ("scores", "route"),  # fp32 scores, clip, sigmoid, balancing, top-k, renormalised weights
+    Experts: ("activation", "combine"),  # SwiGLU's product on the sorted rows; the weighted sum of k outputs
+}
+# Token-local submodules called only inside those methods: left as they are, so the method's graph traces them.
+# Compiled on their own as well, they broke that graph under torch 2.11 (the GPU machine's): its Dynamo, inlining
+# a module whose forward is a compiled bound method, called the function without ``self`` ("failed to bind
+# arguments"), and the rest of the method - short convs, fp32 q/k norms, the output norm - ran eagerly, 10 ms of a
+# KDA layer's 53 ms at 64K on the H100 (benchmarks/learner/h100/README.md). torch 2.13 inlines them correctly.
+INSIDE_METHODS = {
+    LinearAttention: ("q_conv1d", "k_conv1d", "v_conv1d", "o_norm"),
+    SlidingWindowAttention: ("rotary",),
 }
 
 
@@ -50,9 +60,11 @@ def compile_token_local(model: nn.Module) -> int:
     Each instance gets the class's compiled function bound to itself (one compiled function per class and method,
     shared by all instances): a ``copy.deepcopy`` of the model (the KL reference) binds it to the copy, where a
     compiled bound method would keep calling the original module's weights."""
+    inside = {id(getattr(owner, name)) for owner in model.modules() for cls, names in INSIDE_METHODS.items()
+              if isinstance(owner, cls) for name in names if getattr(owner, name, None) is not None}
     replaced = 0
     for module in model.modules():
-        names = ["forward"] if isinstance(module, TOKEN_LOCAL) else []
+        names = ["forward"] if isinstance(module, TOKEN_LOCAL) and id(module) not in inside else []
         names += [m for cls, methods in TOKEN_LOCAL_METHODS.items() if isinstance(module, cls) for m in methods]
         for name in names:
             setattr(module, name, types.MethodType(compile_fn(getattr(type(module), name)), module))

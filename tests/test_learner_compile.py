@@ -84,7 +84,7 @@ def test_compiled_learner_trains_like_the_eager_one(tiny_marathon_dir, one_threa
     assert sum(not torch.equal(w, initial[k]) for k, w in weights[False].items()) > len(initial) // 2  # trained
     assert not counters["graph_break"], dict(counters["graph_break"])
     # one graph per module kind (the mix: per number of sources) and grad mode, whatever the packing
-    assert 0 < graphs[0] == graphs[1] <= 32, graphs
+    assert 0 < graphs[0] == graphs[1] <= 36, graphs
 
 
 def test_compile_with_zero3_is_a_config_error(tmp_path):

@@ -139,6 +139,32 @@ def test_grouped_expert_compute_matches_per_token_loop():
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_expert_gradients_through_the_sorted_gathers_match_the_per_token_loop():
+    """`Experts`' two reorderings run their backward as the inverse permutation's gather (`model.moe._Rows`): in
+    fp64 the gradients of x, the routing weights and both weight banks equal those through a per-token loop, with
+    several tokens on the same experts."""
+    cfg = MarathonConfig.from_preset("tiny")
+    torch.manual_seed(0)
+    experts = MoE(cfg).experts.double()
+    E, D = experts.gate_up_proj.shape[:2]
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    N, k = 7, 3
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    idx[:3] = idx[0]
+    x = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
+    cot = torch.randn(N, D, dtype=torch.float64)
+    params = [x, w, *experts.parameters()]
+    got = torch.autograd.grad((experts(x, w, idx) * cot).sum(), params)
+    ref = torch.stack([sum(w[t, j] * (F.silu(g) * u) @ experts.down_proj[idx[t, j]]
+                           for j in range(k)
+                           for g, u in [(x[t] @ experts.gate_up_proj[idx[t, j]]).chunk(2)]) for t in range(N)])
+    want = torch.autograd.grad((ref * cot).sum(), params)
+    for name, a, b in zip(["x", "weights", "gate_up_proj", "down_proj"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_long_rows_go_through_the_experts_in_recomputed_chunks(one_thread, monkeypatch):
     """Experts.TOKEN_CHUNK: chunked + checkpointed expert compute equals the whole row, values and gradients."""
     from model.moe import Experts

@@ -79,8 +79,11 @@ def attend(
             return _flash_varlen(q, k, v, bounds, window)
         if len(bounds) == 2:
             return _self_attention(q, k, v, window)
-        return torch.cat([_self_attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], window)
-                          for lo, hi in zip(bounds[:-1], bounds[1:])], dim=2)
+        # split, not sliced: the backward puts the sequences' gradients together with one cat per tensor,
+        # where a slice's backward writes its gradient into a zeroed [B, H, T, d] and those are summed
+        sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return torch.cat([_self_attention(*qkv, window)
+                          for qkv in zip(q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2))], dim=2)
     if key_mask is None and past == 0 and S == T and T > 1:  # whole sequences: training, prefill
         if window is not None and _flash_varlen_ok(q, k, v):
             return _flash_varlen(q, k, v, [i * T for i in range(q.shape[0] + 1)], window)
