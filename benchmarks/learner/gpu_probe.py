@@ -8,6 +8,9 @@
     moe      the MoE half's forward + backward time with each grouped GEMM (`kernels.GROUPED_MM_CUDA`)
     profile  one forward + backward of the decoder and the head on a packed row (gradient checkpointing on):
              the profiler's top kernels by device time
+    layers   one layer of each kind (KDA / sliding / MLA mixer, MoE, dense FFN) on a packed row, its token-local
+             parts compiled as ``learner.compile`` runs them (``--eager``: not): forward and backward ms and the
+             profiler's top kernels of one forward + backward, per kind
 
     python3 benchmarks/learner/gpu_probe.py memory head moe profile --out $OUT/probe
 """
@@ -149,11 +152,22 @@ def _timed(device, fn, repeats: int = 3) -> float:
 
 
 def _top_kernels(prof, n: int = 25) -> list[dict]:
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    cpu = torch.autograd.DeviceType.CPU  # the ops that launched them (when the profile records CPU too)
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type != cpu]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) or 1.0
-    return [{"name": e.key[:120], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+    return [{"name": e.key[:300], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
              "share": e.self_device_time_total / total} for e in sorted(events, key=lambda e: -e.self_device_time_total)[:n]]
+
+
+def _top_ops(prof, n: int = 15) -> list[dict]:
+    """The PyTorch ops that launched the most device time themselves, with their input shapes: eager ops, and the
+    extern and fallback kernels a compiled graph calls (Inductor's own Triton kernels and ours are not under one)."""
+    events = [e for e in prof.key_averages(group_by_input_shape=True)
+              if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return [{"op": e.key, "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+             "shapes": str(e.input_shapes)[:200]} for e in events[:n]]
 
 
 def probe_head(model, device, rows_n: int, chunks: list[int]) -> dict:
@@ -253,9 +267,61 @@ def probe_profile(model, device, T: int) -> dict:
     return out
 
 
+def probe_layers(model, device, T: int, compiled: bool, top: int = 15) -> dict:
+    """Per layer kind: fwd / bwd ms (median of 3 after a warm-up) and the top kernels of one fwd + bwd, on a packed
+    row of T tokens cut as the learner bench cuts its 64K row (episodes of 2K-16K tokens)."""
+    from learner.compile import compile_token_local
+    from marathon.commands.bench_learner import _episodes
+
+    lengths = _episodes(T, 2048, 16384, seed=T)
+    ctx = _ctx(T, device, lengths)
+    if compiled:
+        compile_token_local(model)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(1, T, model.config.hidden_size, device=device, dtype=dtype) * 0.5
+    out = {"tokens": T, "episodes": len(lengths), "compiled": compiled, "kinds": {}}
+    for layer in model.get_decoder().layers:
+        parts = {layer.kind: lambda h, layer=layer: layer.mix(h, ctx),
+                 "MoE" if layer.is_moe else "FFN": lambda h, layer=layer: layer.ffn(h, None)}
+        for kind, fn in parts.items():
+            if kind in out["kinds"]:
+                continue
+            h = x.detach().requires_grad_()
+
+            def fwd():
+                y = fn(h)
+                return y[0] if isinstance(y, tuple) else y
+
+            def fwd_bwd():
+                y = fwd()
+                y.backward(torch.ones_like(y))
+
+            fwd_ms, both_ms = _timed(device, fwd), _timed(device, fwd_bwd)
+            row = {"forward_ms": fwd_ms, "backward_ms": both_ms - fwd_ms}
+            model.zero_grad(set_to_none=True)  # the profiled call's gradients are the first (no accumulation)
+            if device.type == "cuda":
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+                    fwd_bwd()
+                    torch.cuda.synchronize()
+                row["top_kernels"] = _top_kernels(prof, top)
+                row["top_ops"] = _top_ops(prof, top)
+            _discard_routing(layer)
+            model.zero_grad(set_to_none=True)
+            print(json.dumps({"kind": kind, **row}), flush=True)
+            out["kinds"][kind] = row
+    if compiled:  # a graph break runs the rest of a method eagerly: there should be none
+        from torch._dynamo.utils import counters
+
+        out["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
+        out["unique_graphs"] = counters["stats"]["unique_graphs"]
+        print(json.dumps({"graph_breaks": out["graph_breaks"], "unique_graphs": out["unique_graphs"]}), flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probes", nargs="+", choices=["memory", "head", "moe", "profile"])
+    ap.add_argument("probes", nargs="+", choices=["memory", "head", "moe", "profile", "layers"])
     ap.add_argument("--preset", default="learner-bench")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--lengths", default="262144,1048576", help="memory: episode lengths (KDA, sliding, MoE)")
@@ -264,7 +330,8 @@ def main() -> int:
     ap.add_argument("--head-rows", type=int, default=40960)
     ap.add_argument("--head-chunks", default="1024,4096,8192")
     ap.add_argument("--moe-tokens", type=int, default=65536)
-    ap.add_argument("--profile-tokens", type=int, default=65536)
+    ap.add_argument("--profile-tokens", type=int, default=65536, help="profile, layers: tokens in the packed row")
+    ap.add_argument("--eager", action="store_true", help="layers: do not compile the token-local parts")
     ap.add_argument("--out", default="benchmarks/learner/probe")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -282,6 +349,8 @@ def main() -> int:
             results[probe] = probe_head(model, device, args.head_rows, ints(args.head_chunks))
         elif probe == "moe":
             results[probe] = probe_moe(model, device, args.moe_tokens)
+        elif probe == "layers":
+            results[probe] = probe_layers(model, device, args.profile_tokens, compiled=not args.eager)
         else:
             results[probe] = probe_profile(model, device, args.profile_tokens)
         print(f"=== {probe}: {time.perf_counter() - t0:.0f}s", flush=True)

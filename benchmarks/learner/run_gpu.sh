@@ -20,6 +20,7 @@
 #   RECOMPUTE_LAYERS=auto HEADS="fused checkpointed" bash benchmarks/learner/run_gpu.sh steady-partial profile-fp32-256
 #   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
+#   bash benchmarks/learner/run_gpu.sh layers          # where each layer kind's time goes at 64K (top kernels)
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -161,6 +162,8 @@ for group in "$@"; do
             --single 1048576 --max-step-s 200 --out "$OUT/global" ;;
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
+    layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
+        step layers 200 python3 benchmarks/learner/gpu_probe.py layers --out "$OUT/layers" ;;
     probe-1m)
         step probe-1m 170 python3 benchmarks/learner/gpu_probe.py memory moe --lengths 1048576 \
             --mla-lengths 1048576 --segments 262144 --out "$OUT/probe-1m" ;;
