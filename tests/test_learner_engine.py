@@ -130,5 +130,8 @@ def test_fused_head_trains_like_the_checkpointed_head(tiny_qwen3_dir, updates_pe
     initial = Learner(tiny_qwen3_dir, LearnerSection(), seed=0).get_weights()
     want, got = learners[False].get_weights(), learners[True].get_weights()
     for k, w in want.items():
-        torch.testing.assert_close(got[k], w, rtol=0, atol=2e-5)
+        # 5% of the learning rate (1e-3): Adam scales each update by 1 / sqrt(v), so on an embedding row whose
+        # gradients are near zero the two heads' fp32 sums, added in different orders, differ by up to 2.2e-5
+        # (2 CPU threads, torch 2.13)
+        torch.testing.assert_close(got[k], w, rtol=0, atol=5e-5)
     assert sum(not torch.equal(w, initial[k]) for k, w in want.items()) > len(want) // 2  # trained
