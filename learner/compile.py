@@ -6,8 +6,8 @@ the checkpointed recompute: RMSNorms, the attention-residual mixes, the short co
 RoPE, SwiGLU's gate. The matmuls and the attention / KDA kernels are a third. ``compile_token_local`` hands every
 such function to ``torch.compile`` (Inductor fuses each into a few kernels, forward and backward), as
 torchtitan's ``apply_compile`` compiles its blocks (https://github.com/pytorch/torchtitan): the forward of the
-token-local modules and the token-local methods of the attention layers and the MoE router and experts. Only plain tensor
-math is compiled, so there is no graph break and no recompile per packing: the layers' Python around it
+token-local modules and the token-local methods of the attention layers, the MoE router and the experts. Only plain
+tensor math is compiled, so there is no graph break and no recompile per packing: the layers' Python around it
 (packed-row bounds, token chunks, segments, the Triton kernels, attention, expert dispatch) stays eager.
 
 ``dynamic=True``: one graph serves every row length (one per grad mode; the attention-residual mix one per
