@@ -154,10 +154,10 @@ def _timed(device, fn, repeats: int = 3) -> float:
 def _top_kernels(prof, n: int = 25) -> list[dict]:
     cpu = torch.autograd.DeviceType.CPU  # the ops that launched them (when the profile records CPU too)
     events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type != cpu]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) or 1.0
     return [{"name": e.key[:300], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
-             "share": e.self_device_time_total / total} for e in sorted(events, key=lambda e: -e.self_device_time_total)[:n]]
+             "share": e.self_device_time_total / total} for e in events[:n]]
 
 
 def _top_ops(prof, n: int = 15) -> list[dict]:
@@ -307,7 +307,6 @@ def probe_layers(model, device, T: int, compiled: bool, top: int = 15) -> dict:
                 row["top_kernels"] = _top_kernels(prof, top)
                 row["top_ops"] = _top_ops(prof, top)
             _discard_routing(layer)
-            model.zero_grad(set_to_none=True)
             print(json.dumps({"kind": kind, **row}), flush=True)
             out["kinds"][kind] = row
     if compiled:  # a graph break runs the rest of a method eagerly: there should be none
