@@ -66,7 +66,7 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
-                       "torch_adam": True},
+                       "torch_adam": True, "fused": opt.fused},
         },
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

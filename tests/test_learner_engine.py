@@ -135,3 +135,27 @@ def test_fused_head_trains_like_the_checkpointed_head(tiny_qwen3_dir, updates_pe
         # (2 CPU threads, torch 2.13)
         torch.testing.assert_close(got[k], w, rtol=0, atol=5e-5)
     assert sum(not torch.equal(w, initial[k]) for k, w in want.items()) > len(want) // 2  # trained
+
+
+def test_fused_adamw_steps_like_foreach(tiny_qwen3_dir):
+    """learner.optimizer.fused (torch's fused AdamW under DeepSpeed, the default) takes the same steps as the
+    foreach AdamW it replaces: same statistics and weights after an RL update and an SFT step."""
+    from configs.schema import OptimizerSection
+
+    learners = {f: Learner(tiny_qwen3_dir, LearnerSection(micro_batch_tokens=24,
+                                                          optimizer=OptimizerSection(fused=f, weight_decay=0.1)),
+                           seed=0)
+                for f in (False, True)}
+    for f, learner in learners.items():
+        assert all(g["fused"] is f for g in learner.engine.basic_optimizer.param_groups)
+    samples = _samples()
+    for s, lp in zip(samples, learners[False].sequence_logprobs(samples)):
+        s.logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask)]
+    stats = {f: [learner.train_rl(samples, lr=1e-3), learner.train_sft(samples, lr=1e-3)]
+             for f, learner in learners.items()}
+    for a, b in zip(stats[False], stats[True]):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), k
+    want, got = learners[False].get_weights(), learners[True].get_weights()
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@
 #   SHAPE_IDX="3 6 2" METHODS="ours fla" bash benchmarks/learner/run_gpu.sh fixes  # GPU tests; 3 rows, ours and fla
 #   SHAPE_IDX="0 1 2 3 4 5 6 7" bash benchmarks/learner/run_gpu.sh fixes packed-profile  # + where a packed row's time goes
 #   RECOMPUTE_LAYERS="3 6" bash benchmarks/learner/run_gpu.sh steady-partial  # 64K, 3 (then 6) of 12 layers recomputed
+#   TOKENS=262144 RECOMPUTE_LAYERS=auto bash benchmarks/learner/run_gpu.sh steady-partial  # one update of 4+1 64K rows
 #   RECOMPUTE_LAYERS=auto HEADS="fused checkpointed" bash benchmarks/learner/run_gpu.sh steady-partial profile-fp32-256
 #   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
@@ -126,12 +127,14 @@ for group in "$@"; do
         step packed-profile 120 python3 benchmarks/kernels/breakdown.py --tokens 65536 --packed --no-fla \
             --skip accuracy --out "$OUT/packed-profile" ;;
     steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS,
-        # with each logprob head in HEADS (fused, the default, and/or checkpointed)
+        # with each logprob head in HEADS (fused, the default, and/or checkpointed); TOKENS (default 65536) in rows
+        # of at most MB_TOKENS (default 65536): TOKENS=262144 is one update of 5 micro-batches (4 of ~64K)
         for n in ${RECOMPUTE_LAYERS:-3}; do
             for head in ${HEADS:-fused}; do
                 flag=(); [[ $head == checkpointed ]] && flag=(--checkpointed-head)
                 step steady-partial-$n-$head "${STEADY_S:-150}" python3 -m marathon.commands.bench_learner --layouts hybrid \
-                    --compile "${flag[@]}" --recompute-layers "$n" --tokens 65536 --single 0 --max-step-s 120 \
+                    --compile "${flag[@]}" --recompute-layers "$n" --tokens "${TOKENS:-65536}" \
+                    --micro-batch-tokens "${MB_TOKENS:-65536}" --single 0 --max-step-s 120 \
                     --out "$OUT/steady-partial-$n-$head"
             done
         done ;;
