@@ -84,15 +84,15 @@ class GatedMLA(nn.Module):
         k_pe [B, S, rope] -> o [B, T, hi - lo, v]."""
         B, T, S, H = q_in.shape[0], q_in.shape[1], c_kv.shape[1], hi - lo
         q_lin = self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
-        q = self._rows(q_lin, q_in, lo, hi, self.nope + self.rope)
-        q_nope, q_pe = q.view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        if rotary is not None:
-            q_pe = apply_rotary(q_pe, *rotary)
+        q = self._rows(q_lin, q_in, lo, hi, self.nope + self.rope).view(B, T, H, self.nope + self.rope)
+        if rotary is not None:  # only the rope channels turn; without RoPE q is the projection as it is (no copy)
+            q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+            q = torch.cat([q_nope, apply_rotary(q_pe, *rotary)], dim=-1)
         kv = self._rows(self.kv_b_proj, c_kv, lo, hi, self.nope + self.v_dim)
         k_nope, v = kv.view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)  # [B, H, S, qk]
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, T, qk]
-        return attend(q, k, v.transpose(1, 2), past, None, cu_seqlens, key_mask).transpose(1, 2)  # [B, T, H, v]
+        o = attend(q.transpose(1, 2), k, v.transpose(1, 2), past, None, cu_seqlens, key_mask)  # [B, H, T, v]
+        return o.transpose(1, 2)  # [B, T, H, v]
 
     def _rows(self, linear: nn.Linear, x: torch.Tensor, lo: int, hi: int, per_head: int,
               on_input: bool = False) -> torch.Tensor:
