@@ -28,7 +28,9 @@ def test_bench_learner_runs_small_on_cpu(tmp_path):
     for r in rows:
         assert r["seconds"] > 0 and r["loss_tokens"] > 0 and r["micro_batches"] >= 1
         assert set(r["layers"]) == {"L", "S", "G", "MoE", "FFN", "head"}
-    assert "| hybrid | single | 300 |" in (tmp_path / "results.md").read_text()
+    assert rows[0]["micro_batches"] == 2  # 600 tokens in rows of at most 512: one update of two micro-batches
+    md = (tmp_path / "results.md").read_text()
+    assert "| hybrid | packed (2 micro-batches) | 600 |" in md and "| hybrid | single | 300 |" in md
 
 
 def test_learner_memory_model_scales_as_documented():
