@@ -122,8 +122,8 @@ class OptimizerSection(_Section):
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables
-    # torch's fused AdamW: one kernel per parameter group and step (CUDA and CPU), instead of foreach's chain of
-    # elementwise passes over the fp32 master weights and both moments
+    # torch's fused AdamW (CUDA and CPU): one fused multi-tensor pass over the fp32 master weights and both moments
+    # per step, instead of foreach's chain of elementwise passes
     fused: bool = True
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from configs.schema import LearnerSection, LossSection
+from configs.schema import LearnerSection, LossSection, OptimizerSection
 from learner.engine import Learner, load_causal_lm
 from learner.packing import Sample, make_micro_batches, plan_micro_batches
 
@@ -140,8 +140,6 @@ def test_fused_head_trains_like_the_checkpointed_head(tiny_qwen3_dir, updates_pe
 def test_fused_adamw_steps_like_foreach(tiny_qwen3_dir):
     """learner.optimizer.fused (torch's fused AdamW under DeepSpeed, the default) takes the same steps as the
     foreach AdamW it replaces: same statistics and weights after an RL update and an SFT step."""
-    from configs.schema import OptimizerSection
-
     learners = {f: Learner(tiny_qwen3_dir, LearnerSection(micro_batch_tokens=24,
                                                           optimizer=OptimizerSection(fused=f, weight_decay=0.1)),
                            seed=0)

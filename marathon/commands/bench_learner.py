@@ -367,7 +367,7 @@ def _recomputed_counts(config, k: int, fused_head: bool = False) -> dict[str, in
 
 
 def _case(r: dict) -> str:
-    return (r["case"] + (f" ({n} micro-batches)" if (n := r.get("micro_batches", 1)) > 1 else "")
+    return (r["case"] + (f" ({m} micro-batches)" if (m := r.get("micro_batches", 1)) > 1 else "")
             + (" (offload)" if r.get("offload") else "")
             + (" (no recompute)" if r.get("checkpointed") is False else "")
             + (f" ({n} layer{'s' * (n > 1)} recomputed)" if r.get("checkpointed") and (n := r.get("recomputed_layers"))
