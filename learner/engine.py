@@ -221,7 +221,9 @@ class Learner:
                 # holds its shard's partial gradient); the result is the token mean of the whole update
                 # (learner.data_parallel)
                 self.engine.backward(loss_sum * scale)
-            if k == len(mbs) - 1 and self.engine.zero_optimization_stage() == 0:  # ZeRO-0 keeps grads on params
+            if k == len(mbs) - 1 and not hasattr(self.engine.optimizer, "_global_grad_norm"):
+                # a bare torch optimizer (fp32 at ZeRO-0) reports no norm: taken here, on the params' grads;
+                # DeepSpeed's wrappers (bf16, ZeRO 1-3) compute it for clipping and report it after the step
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
             if k == len(mbs) - 1 and self.layout.world_size > 1:
                 # MoE balancing statistics are all-reduced layer by layer: the same order on every rank

@@ -157,3 +157,14 @@ def test_fused_adamw_steps_like_foreach(tiny_qwen3_dir):
     want, got = learners[False].get_weights(), learners[True].get_weights()
     for k, w in want.items():
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norm_is_reported_in_both_dtypes(tiny_qwen3_dir):
+    """fp32 at ZeRO-0 (a bare torch AdamW: the learner takes the norm itself) and bf16 (DeepSpeed's wrapper takes
+    it for clipping and reports it) report the same pre-clipping gradient norm, up to bf16's rounding."""
+    norms = {}
+    for dtype in ("float32", "bfloat16"):
+        learner = Learner(tiny_qwen3_dir, LearnerSection(micro_batch_tokens=24, dtype=dtype), seed=0)
+        assert hasattr(learner.engine.optimizer, "_global_grad_norm") is (dtype == "bfloat16")
+        norms[dtype] = learner.train_sft(_samples(), lr=1e-3)["grad_norm"]
+    assert norms["float32"] > 0 and norms["bfloat16"] == pytest.approx(norms["float32"], rel=0.03)
