@@ -235,7 +235,7 @@ class Experts(nn.Module):
 
     def dispatch(self, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
         """x [N, D] -> its k copies per token in expert order [N*k, D] (sorted slot s holds token order[s] // k).
-        Compiled, the backward's gather and the sum over each token's k copies are one kernel."""
+        Compiled, the backward's gather and the sum over each token's k copies fuse: no [N*k, D] gradient copy."""
         return _Rows.apply(x, order, inverse, k)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -246,9 +246,9 @@ class Experts(nn.Module):
     def combine(self, y: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """The expert outputs y [N*k, D] in expert order (token slot t is sorted slot inverse[t]) and the weights
-        [N, k] -> [N, D]: each token's k outputs, weighted and summed. Compiled, the gather is read inside the sum
-        (no token-major copy of y is read back), and the backward is one kernel: the weights' gradient and y's,
-        written straight in expert order."""
+        [N, k] -> [N, D]: each token's k outputs, weighted and summed. Compiled, the gather fuses into the sum (the
+        token-major copy of y is still written, once, as the weights' gradient needs it, but not read back), and
+        the backward writes y's gradient straight in expert order, beside the weights' gradient."""
         N, k = weights.shape
         y = _Rows.apply(y, inverse, order, 1)  # [N*k, D] token-major
         return (y.view(N, k, -1) * weights[..., None].to(y.dtype)).sum(1)
