@@ -40,8 +40,7 @@ TOKEN_LOCAL_METHODS = {
     SlidingWindowAttention: ("_qkv",),
     GatedMLA: ("_gated_output",),
     Router: ("scores", "route"),  # fp32 scores, clip, sigmoid, balancing, top-k, renormalised weights
-    # the gather into expert order; SwiGLU's product on the sorted rows; the gather back and the weighted sum
-    Experts: ("dispatch", "activation", "combine"),
+    Experts: ("activation", "combine"),  # SwiGLU's product on the sorted rows; the weighted sum of k outputs
 }
 # Token-local submodules called only inside those methods: left as they are, so the method's graph traces them.
 # Compiled on their own as well, they broke that graph under torch 2.11 (the GPU machine's): its Dynamo, inlining

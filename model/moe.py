@@ -221,36 +221,25 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one grouped GEMM over the expert segments; the k expert outputs of each token
         put back in token order, weighted and summed. Both reorderings are gathers whose backward is the inverse
-        permutation's gather (`_Rows`): no scatter, no atomic adds. They sit inside `dispatch` and `combine`, the
-        methods ``learner.compile`` compiles, so Inductor fuses each gather with the sum or product beside it."""
+        permutation's gather (`_Rows`): no scatter, no atomic adds."""
         N, k = idx.shape
         E = self.gate_up_proj.shape[0]
         flat = idx.reshape(-1)  # [N*k], token-major
         order = torch.argsort(flat, stable=True)  # sorted slot -> token slot
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
         offsets = F.pad(torch.bincount(flat, minlength=E).cumsum(0), (1, 0))  # [E+1]
-        h = kernels.grouped_mm(self.dispatch(x, order, inverse, k), self.gate_up_proj, offsets)  # [N*k, 2F]
+        h = kernels.grouped_mm(_Rows.apply(x, order, inverse, k), self.gate_up_proj, offsets)  # [N*k, 2F]
         y = kernels.grouped_mm(self.activation(h), self.down_proj, offsets)  # [N*k, D] sorted
-        return self.combine(y, inverse, order, weights)
-
-    def dispatch(self, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-        """x [N, D] -> its k copies per token in expert order [N*k, D] (sorted slot s holds token order[s] // k).
-        Compiled, the backward's gather and the sum over each token's k copies fuse: no [N*k, D] gradient copy."""
-        return _Rows.apply(x, order, inverse, k)
+        return self.combine(_Rows.apply(y, inverse, order, 1), weights)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """[n, 2F] (gate, up) -> silu(gate) * up [n, F]."""
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def combine(self, y: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """The expert outputs y [N*k, D] in expert order (token slot t is sorted slot inverse[t]) and the weights
-        [N, k] -> [N, D]: each token's k outputs, weighted and summed. Compiled, the gather fuses into the sum (the
-        token-major copy of y is still written, once, as the weights' gradient needs it, but not read back), and
-        the backward writes y's gradient straight in expert order, beside the weights' gradient."""
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The k expert outputs of each token y [N*k, D] (token-major) and their weights [N, k] -> [N, D]."""
         N, k = weights.shape
-        y = _Rows.apply(y, inverse, order, 1)  # [N*k, D] token-major
         return (y.view(N, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
 
