@@ -10,14 +10,16 @@ from kernels.chunked_gated_delta import chunk_gated_delta_rule
 from kernels.gated_delta import gated_delta_rule_step as gated_delta_rule_step_reference
 from kernels.gated_delta import recurrent_gated_delta_rule
 from kernels.gated_delta_segmented import segmented_gated_delta_rule
+from kernels.gather_sum import gather_sum_reference
 from kernels.grouped_gemm import grouped_mm_reference, grouped_mm_torch
 
 try:  # triton is absent on CPU-only installs
     from kernels.gated_delta_triton import CHUNK as TRITON_CHUNK
     from kernels.gated_delta_triton import chunk_gated_delta_rule_triton, gated_delta_rule_step_triton
+    from kernels.gather_sum_triton import gather_sum_triton as _gather_sum_triton  # the module keeps its name
     from kernels.grouped_gemm_triton import grouped_mm_triton
 except ImportError:
-    chunk_gated_delta_rule_triton = gated_delta_rule_step_triton = grouped_mm_triton = None
+    chunk_gated_delta_rule_triton = gated_delta_rule_step_triton = _gather_sum_triton = grouped_mm_triton = None
 
 
 # Rows longer than this run through the Triton kernel one segment at a time (kernels/gated_delta_segmented.py):
@@ -110,9 +112,24 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return grouped_mm_reference(x, w, offsets)
 
 
+# The MoE's gather-sums on CUDA: "triton" (ours, one pass) or "torch" (the PyTorch form; kept for the A/B in
+# benchmarks/model/moe_layer.py).
+GATHER_SUM_CUDA = "triton"
+
+
+def gather_sum(y: torch.Tensor, index: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE's combine and its dispatch's backward (y [N*k, D], index [N*k] a permutation, weights [N, k] or None
+    -> [N, D], kernels/gather_sum.py): the one-pass Triton kernel on CUDA, else the PyTorch form."""
+    if GATHER_SUM_CUDA == "triton" and _gather_sum_triton is not None and y.is_cuda:
+        return _gather_sum_triton(y, index, k, weights)
+    return gather_sum_reference(y, index, k, weights)
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_replay",
+    "gather_sum",
+    "gather_sum_reference",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "grouped_mm",

@@ -40,7 +40,7 @@ TOKEN_LOCAL_METHODS = {
     SlidingWindowAttention: ("_qkv",),
     GatedMLA: ("_gated_output",),
     Router: ("scores", "route"),  # fp32 scores, clip, sigmoid, balancing, top-k, renormalised weights
-    Experts: ("activation", "combine"),  # SwiGLU's product on the sorted rows; the weighted sum of k outputs
+    Experts: ("activation",),  # SwiGLU's product on the sorted rows
 }
 # Token-local submodules called only inside those methods: left as they are, so the method's graph traces them.
 # Compiled on their own as well, they broke that graph under torch 2.11 (the GPU machine's): its Dynamo, inlining

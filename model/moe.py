@@ -220,44 +220,38 @@ class Experts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one grouped GEMM over the expert segments; the k expert outputs of each token
-        put back in token order, weighted and summed. Both reorderings are gathers whose backward is the inverse
-        permutation's gather (`_Rows`): no scatter, no atomic adds."""
+        weighted and summed back in token order (`kernels.gather_sum`). The dispatch is a gather whose backward is
+        the same gather-sum over the inverse permutation (`_Dispatch`): no scatter, no atomic adds."""
         N, k = idx.shape
         E = self.gate_up_proj.shape[0]
         flat = idx.reshape(-1)  # [N*k], token-major
         order = torch.argsort(flat, stable=True)  # sorted slot -> token slot
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
         offsets = F.pad(torch.bincount(flat, minlength=E).cumsum(0), (1, 0))  # [E+1]
-        h = kernels.grouped_mm(_Rows.apply(x, order, inverse, k), self.gate_up_proj, offsets)  # [N*k, 2F]
+        h = kernels.grouped_mm(_Dispatch.apply(x, order, inverse, k), self.gate_up_proj, offsets)  # [N*k, 2F]
         y = kernels.grouped_mm(self.activation(h), self.down_proj, offsets)  # [N*k, D] sorted
-        return self.combine(_Rows.apply(y, inverse, order, 1), weights)
+        return kernels.gather_sum(y, inverse, k, weights)  # [N, D]
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """[n, 2F] (gate, up) -> silu(gate) * up [n, F]."""
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The k expert outputs of each token y [N*k, D] (token-major) and their weights [N, k] -> [N, D]."""
-        N, k = weights.shape
-        return (y.view(N, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
-
-class _Rows(torch.autograd.Function):
-    """``x[src // k]``, where ``src`` is a permutation of the N*k row slots of a tensor that repeats each of x's N rows
-    k times and ``inverse`` its inverse. Backward: the inverse gather, then the k copies of each row summed."""
+class _Dispatch(torch.autograd.Function):
+    """x [N, D] -> its rows in expert order, ``x[order // k]`` [N*k, D] (``order``: sorted slot -> token-major slot,
+    ``inverse`` its inverse). Backward: each token's k row gradients gathered back and summed (`kernels.gather_sum`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x[src // k] if k > 1 else x[src]
+        return x[order // k]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        g = grad[inverse]  # [N*k, D] token-major
-        return (g.view(-1, ctx.k, g.shape[-1]).sum(1) if ctx.k > 1 else g), None, None, None
+        return kernels.gather_sum(grad.contiguous(), inverse, ctx.k), None, None, None
 
 
 class MoE(nn.Module):

@@ -140,7 +140,7 @@ def test_grouped_expert_compute_matches_per_token_loop():
 
 
 def test_expert_gradients_through_the_sorted_gathers_match_the_per_token_loop():
-    """`Experts`' two reorderings run their backward as the inverse permutation's gather (`model.moe._Rows`): in
+    """`Experts`' dispatch and combine run their backward as gathers (`model.moe._Dispatch`, `kernels.gather_sum`): in
     fp64 the gradients of x, the routing weights and both weight banks equal those through a per-token loop, with
     several tokens on the same experts."""
     cfg = MarathonConfig.from_preset("tiny")

@@ -22,6 +22,7 @@
 #   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
 #   bash benchmarks/learner/run_gpu.sh layers          # where each layer kind's time goes at 64K (top kernels)
+#   bash benchmarks/learner/run_gpu.sh moe-layer steady-partial  # MoE layer A/B (gather-sums); then the 64K update
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
 # pydantic_core 2.50.5 (cp312), annotated-types, typing-inspection, hjson, fla-core 0.6.0 (for the kernel table).
@@ -139,6 +140,8 @@ for group in "$@"; do
                     --out "$OUT/steady-partial-$n-$head" ${BENCH_ARGS:-}
             done
         done ;;
+    moe-layer)  # one MoE layer at 64K: the gather-sums as PyTorch ops vs the Triton kernel, alternating in one process
+        step moe-layer 150 python3 benchmarks/model/moe_layer.py --tokens 65536 --out "$OUT/moe-layer" ;;
     profile-fp32-256)  # per-kernel device times of ours on the table's fp32 K=V=256 row (B1 H8 T32K)
         step profile-fp32-256 120 python3 benchmarks/kernels/breakdown.py --tokens 32768 --heads 8 --head-dim 256 \
             --dtype fp32 --no-fla --skip accuracy --out "$OUT/profile-fp32-256" ;;
