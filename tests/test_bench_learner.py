@@ -28,6 +28,9 @@ def test_bench_learner_runs_small_on_cpu(tmp_path):
     for r in rows:
         assert r["seconds"] > 0 and r["loss_tokens"] > 0 and r["micro_batches"] >= 1
         assert set(r["layers"]) == {"L", "S", "G", "MoE", "FFN", "head"}
+        # the timed update's phases: parts of its wall time
+        assert set(r["phases_s"]) == {"collate", "forward", "backward", "step"}
+        assert 0 < sum(r["phases_s"].values()) < r["seconds"]
     assert rows[0]["micro_batches"] == 2  # 600 tokens in rows of at most 512: one update of two micro-batches
     md = (tmp_path / "results.md").read_text()
     assert "| hybrid | packed (2 micro-batches) | 600 |" in md and "| hybrid | single | 300 |" in md

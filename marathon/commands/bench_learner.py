@@ -217,10 +217,12 @@ def _timed_update(learner, samples, device) -> tuple[float, dict]:
 
 @contextmanager
 def _phase_times(learner, device):
-    """Seconds spent in the decoder's forward (the layers, not the logprob head), the engine's backward (recompute
-    included) and its optimizer step during the block, the device synchronised at each boundary; the rest of an
-    update (collate, the head's forward, the loss) is the difference to its wall time."""
-    owners = {"forward": learner.module.get_decoder(), "backward": learner.engine, "step": learner.engine}
+    """Seconds spent building the micro-batches on the device (collate), in the decoder's forward (the layers, not
+    the logprob head), the engine's backward (recompute included) and its optimizer step during the block, the
+    device synchronised at each boundary; the rest of an update (the head, the loss) is the difference to its wall
+    time."""
+    owners = {"collate": (learner, "rank_micro_batches"), "forward": (learner.module.get_decoder(), "forward"),
+              "backward": (learner.engine, "backward"), "step": (learner.engine, "step")}
     times = dict.fromkeys(owners, 0.0)
 
     def timed(name, fn):
@@ -233,13 +235,13 @@ def _phase_times(learner, device):
             return out
         return run
 
-    for name, owner in owners.items():
-        setattr(owner, name, timed(name, getattr(owner, name)))
+    for name, (owner, attr) in owners.items():
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
     try:
         yield times
     finally:
-        for name, owner in owners.items():
-            delattr(owner, name)  # back to the class's methods
+        for owner, attr in owners.values():
+            delattr(owner, attr)  # back to the class's methods
 
 
 def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, save) -> None:
@@ -386,7 +388,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              + (", token-local modules compiled" if meta.get("compile") else "")
              + (", head gradients in its forward" if meta.get("fused_head") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
-             "decoder fwd / bwd / opt step s |",
+             "collate / decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "seconds" not in r:
@@ -395,7 +397,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
                          f"{r.get('predicted_peak_gib', float('nan')):.1f} | | |")
             continue
         ph = r.get("phases_s")
-        phases = f"{ph['forward']:.2f} / {ph['backward']:.2f} / {ph['step']:.2f}" if ph else ""
+        phases = " / ".join(f"{ph[k]:.2f}" for k in ("collate", "forward", "backward", "step") if k in ph) if ph else ""
         lines.append(f"| {r['layout']} | {_case(r)} | {r['tokens']} | {r['episodes']} | {r['seconds']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
                      f"{r.get('peak_gib', float('nan')):.1f} | {r['predicted_peak_gib']:.1f} | "
