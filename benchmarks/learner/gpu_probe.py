@@ -1,4 +1,4 @@
-"""Where the learner's memory and time go on the GPU, one part of the model at a time (no DeepSpeed, no optimizer).
+"""Where the learner's memory and time go on the GPU, one part of the model at a time (DeepSpeed only in ``step``).
 
     memory   peak device memory of each half-layer of a preset (the KDA, sliding and MLA mixers with their
              attention-residual mix; the MoE) on one episode of T tokens: in a no-grad forward, and in a forward +
@@ -11,6 +11,9 @@
     layers   one layer of each kind (KDA / sliding / MLA mixer, MoE, dense FFN) on a packed row, its token-local
              parts compiled as ``learner.compile`` runs them (``--eager``: not): forward and backward ms and the
              profiler's top kernels of one forward + backward, per kind
+    step     the learner's optimizer step alone (``engine.step()`` of its DeepSpeed bf16 engine: gradient norm,
+             clipping, AdamW on the fp32 master weights, the bf16 copy back), wall and device ms with its top
+             kernels, beside one fused AdamW step over a flat fp32 tensor of as many parameters (the floor)
 
     python3 benchmarks/learner/gpu_probe.py memory head moe profile --out $OUT/probe
 """
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -243,7 +247,7 @@ def probe_profile(model, device, T: int) -> dict:
 
     model.gradient_checkpointing_enable()
     samples = _samples(_episodes(T, 2048, 16384, seed=T), model.config.vocab_size, seed=T)
-    mb = collate(samples, [0] * len(samples), packed=True)
+    mb = collate(samples, list(range(len(samples))), packed=True)
     keep = (mb.loss_mask != 0).flatten().to(device)
 
     def step():
@@ -264,6 +268,56 @@ def probe_profile(model, device, T: int) -> dict:
     for layer in model.get_decoder().layers:
         _discard_routing(layer)
     model.gradient_checkpointing_disable()
+    return out
+
+
+def probe_step(model, device: torch.device, repeats: int = 3) -> dict:
+    """The learner's optimizer step on the preset (``learner.engine.ds_config``, ZeRO-0, bf16), after a backward
+    of a short row, against the floor: torch's fused AdamW on one flat fp32 tensor of the same size."""
+    import deepspeed
+
+    from configs.schema import LearnerSection
+    from learner.dist import init_distributed
+    from learner.engine import ds_config
+
+    init_distributed(1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                           config=ds_config(LearnerSection(dtype="bfloat16"), 0))
+    ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
+
+    def backward():
+        engine.backward(engine(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean())
+        _sync(device)
+
+    wall = []
+    for _ in range(repeats + 1):  # the first step also builds the optimizer state
+        backward()
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    out = {"params": n, "step_ms": statistics.median(wall[1:]), "first_step_ms": wall[0]}
+    if device.type == "cuda":
+        backward()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        kernels = _top_kernels(prof, 20)
+        cpu = torch.autograd.DeviceType.CPU
+        events = [e for e in prof.key_averages() if e.device_type != cpu and e.self_device_time_total > 0]
+        out.update(device_ms=sum(e.self_device_time_total for e in events) / 1e3,
+                   launches=sum(e.count for e in events), top_kernels=kernels)
+    del engine, params
+    gc.collect()  # the engine's fp32 master weights, gradients and moments
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flat = torch.zeros(n, dtype=torch.float32, device=device, requires_grad=True)
+    flat.grad = torch.randn_like(flat)
+    adam = torch.optim.AdamW([flat], lr=1e-6, fused=device.type == "cuda")
+    out["floor_fused_adamw_ms"] = _timed(device, adam.step)
     return out
 
 
@@ -320,7 +374,7 @@ def probe_layers(model, device, T: int, compiled: bool, top: int = 15) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probes", nargs="+", choices=["memory", "head", "moe", "profile", "layers"])
+    ap.add_argument("probes", nargs="+", choices=["memory", "head", "moe", "profile", "layers", "step"])
     ap.add_argument("--preset", default="learner-bench")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--lengths", default="262144,1048576", help="memory: episode lengths (KDA, sliding, MoE)")
@@ -350,6 +404,8 @@ def main() -> int:
             results[probe] = probe_moe(model, device, args.moe_tokens)
         elif probe == "layers":
             results[probe] = probe_layers(model, device, args.profile_tokens, compiled=not args.eager)
+        elif probe == "step":  # last: the engine takes the model over
+            results[probe] = probe_step(model, device)
         else:
             results[probe] = probe_profile(model, device, args.profile_tokens)
         print(f"=== {probe}: {time.perf_counter() - t0:.0f}s", flush=True)

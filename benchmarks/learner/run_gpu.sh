@@ -169,6 +169,8 @@ for group in "$@"; do
             --single 1048576 --max-step-s 200 --out "$OUT/global" ;;
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
+    step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
+        step step-probe 150 python3 benchmarks/learner/gpu_probe.py step --out "$OUT/step-probe" ;;
     layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
         step layers 200 python3 benchmarks/learner/gpu_probe.py layers --out "$OUT/layers" ;;
     probe-1m)
