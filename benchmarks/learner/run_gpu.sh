@@ -202,9 +202,12 @@ for group in "$@"; do
     *) echo "unknown group $group"; exit 2 ;;
     esac
 done
-# at most 8 files come back from a call: the logs and results in one archive, the compile cache in parts
-(cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude 'tcache.tgz.part-*' * && \
-    find . -mindepth 1 ! -name results.tgz ! -name device.txt -delete)
+# at most 8 files come back from a call: the logs and results in one archive, the compile cache in parts; a
+# later run_gpu.sh in the same call (same $OUT) writes results-2.tgz, results-3.tgz, ... beside the first
+archive=results.tgz
+for ((k = 2; k < 100; k++)); do [[ -e $OUT/$archive ]] || break; archive=results-$k.tgz; done
+(cd "$OUT" && tar -czf "$archive" --exclude 'results*.tgz' --exclude 'tcache.tgz.part-*' * && \
+    find . -mindepth 1 ! -name 'results*.tgz' ! -name device.txt -delete)
 python3 - <<'EOF'  # the compile cache without its IR and PTX (a cache hit loads the json and the cubin)
 import json, pathlib
 for grp in pathlib.Path(".tcache/triton").glob("*/__grp__*.json"):
@@ -216,7 +219,7 @@ for grp in pathlib.Path(".tcache/triton").glob("*/__grp__*.json"):
     grp.write_text(json.dumps(data))
 EOF
 # its first CACHE_PARTS parts (default 3, 45 MiB) only: a call returns at most about 64 MiB, and which files it
-# leaves out is not ours to choose (results.tgz must come back); a cut archive still extracts up to the cut
+# leaves out is not ours to choose (the results archives must come back); a cut archive still extracts up to the cut
 tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-"
 ls "$OUT"/tcache.tgz.part-* | tail -n +$((${CACHE_PARTS:-3} + 1)) | xargs -r rm -f
 ls -la "$OUT"
