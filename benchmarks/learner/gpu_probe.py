@@ -155,9 +155,14 @@ def _timed(device, fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def _device_events(prof) -> list:
+    """The profile's device-side events (not the CPU ops that launched them, when the profile records CPU too)."""
+    cpu = torch.autograd.DeviceType.CPU
+    return [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type != cpu]
+
+
 def _top_kernels(prof, n: int = 25) -> list[dict]:
-    cpu = torch.autograd.DeviceType.CPU  # the ops that launched them (when the profile records CPU too)
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type != cpu]
+    events = _device_events(prof)
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) or 1.0
     return [{"name": e.key[:300], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
@@ -305,11 +310,10 @@ def probe_step(model, device: torch.device, repeats: int = 3) -> dict:
         with torch.profiler.profile(activities=acts) as prof:
             engine.step()
             torch.cuda.synchronize()
-        kernels = _top_kernels(prof, 20)
-        cpu = torch.autograd.DeviceType.CPU
-        events = [e for e in prof.key_averages() if e.device_type != cpu and e.self_device_time_total > 0]
+        # device_ms also counts GPU annotation ranges (Optimizer.step#AdamW.step) over their kernels
+        events = [e for e in _device_events(prof) if e.self_device_time_total > 0]
         out.update(device_ms=sum(e.self_device_time_total for e in events) / 1e3,
-                   launches=sum(e.count for e in events), top_kernels=kernels)
+                   launches=sum(e.count for e in events), top_kernels=_top_kernels(prof, 20))
     del engine, params
     gc.collect()  # the engine's fp32 master weights, gradients and moments
     if device.type == "cuda":
