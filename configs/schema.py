@@ -150,7 +150,7 @@ class LearnerSection(_Section):
     # ones keep their activations (learner/recompute.py). None: every layer; 0: none; "auto": per row, the fewest
     # whose predicted peak (model.memory) fits in recompute_memory_fraction of the device's memory
     recompute_layers: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    # "auto"'s share of the device's memory (the prediction was 5-6% over the H200's measured 64K peaks)
+    # "auto"'s share of the device's memory (the prediction was 4-5% over the H100's measured 64K peaks)
     recompute_memory_fraction: float = Field(0.95, gt=0, le=1)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per RL batch (>1: PPO clipping is active)
     # The learner group (learner/group.py): num_ranks DeepSpeed ranks = data parallel x context parallel

@@ -63,6 +63,7 @@ LAYER_SEGMENT = 1 << 16  # model.chunking.TOKEN_CHUNK: longer rows run a KDA lay
 EXPERT_CHUNK = 1 << 17  # model.moe.Experts.TOKEN_CHUNK
 HEAD_CHUNK = 1024  # learner.logprobs.CHUNK_TOKENS
 KDA_CHUNK = 64  # kernels.gated_delta_triton.CHUNK
+ZERO3_SUB_GROUP = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (elements)
 
 
 def layer_activations(config: MarathonConfig, layer: int, a: int = 2, compiled: bool = False) -> int:
@@ -135,6 +136,13 @@ def checkpointed_layers(L: int, T: int, checkpointing: bool, recompute_min_token
     return L if recompute_layers is None else min(L, recompute_layers)
 
 
+def _step_grads(P: int, zero_stage: int, ranks: int) -> int:
+    """Bytes of the fp32 gradient copies a bf16 DeepSpeed optimizer makes inside its step: all of the rank's
+    shard at ZeRO 0-2, one sub-group at a time at ZeRO-3 (``zero_optimization.sub_group_size``, 1e9 elements)."""
+    shard = P // (ranks if zero_stage >= 1 else 1)
+    return 4 * (min(shard, ZERO3_SUB_GROUP) if zero_stage == 3 else shard)
+
+
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
                          bf16: bool = True, checkpointing: bool = True, offload: bool = False,
                          recompute_min_tokens: int = 0, compiled: bool = False,
@@ -142,8 +150,10 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
-             fp32 master weights 4 P and fp32 gradient accumulators 4 P (DeepSpeed's bf16 optimizer); ZeRO-1
-             shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+             fp32 master weights 4 P; ZeRO-1 shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients,
+             ZeRO-3 also the weights. DeepSpeed's bf16 wrappers (``learner.engine.ds_config``: bf16 gradients) make
+             fp32 copies of the gradients only inside the optimizer step, when the activations are gone
+             (`_step_grads`).
     saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
@@ -151,15 +161,21 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              rank: ``learner/recompute.py``), everything each half-layer saves (`layer_activations`; ``compiled``: under
              ``learner.compile``). With ``recompute_layers`` = k (only the first k layers checkpointed), k / L of
              the checkpointed term plus what the later layers save (`layer_activations` of layers k..L-1).
-    transient: the largest single layer during its recompute + backward: a KDA layer's kernel intermediates
-             (calibrated on the H200) and kernel inputs q/k/v/gate with their gradients for one segment of at
-             most ``LAYER_SEGMENT`` tokens (longer rows run the layer segment by segment), plus the row's input,
-             output and their gradients; the MoE on one expert chunk (top-k sorted copies of x, expert
-             activations, output); gated MLA's q/k/v/out for one group of heads (fewer heads per group past
-             4 x ``LAYER_SEGMENT`` tokens) plus the row's input and output; the chunked LM head. Beside it, the
-             gradients of the attention-residual blocks (every later layer reads them, so theirs accumulate).
+    transient: what the peak adds above the saved activations, at whichever of three moments is highest:
+             - the end of the forward, every saved activation alive: the chunked LM head;
+             - the backward of a recomputed layer, when the later layers' activations are freed: the largest
+               layer's recompute + backward (a KDA layer's kernel intermediates, calibrated on the H200, and kernel
+               inputs q/k/v/gate with their gradients for one segment of at most ``LAYER_SEGMENT`` tokens (longer
+               rows run the layer segment by segment), plus the row's input, output and their gradients; the MoE
+               on one expert chunk (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out
+               for one group of heads (fewer heads per group past 4 x ``LAYER_SEGMENT`` tokens) plus the row's
+               input and output), beside the checkpointed inputs and the gradients of the attention-residual
+               blocks (every later layer reads them, so theirs accumulate);
+             - the optimizer step, all activations freed: the fp32 gradients.
     ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
-    ``marathon bench learner``; not a bound."""
+    ``marathon bench learner``; not a bound. On one H100 80GB (``learner-bench``, bf16, compiled, a 64K row of 7
+    episodes, ``benchmarks/learner/h100``), measured / predicted GiB with 7, 8, 9 of 12 layers recomputed:
+    73.3 / 76.2, 66.5 / 69.2, 55.9 / 58.9 (the end of the forward is the peak)."""
     import torch
 
     from model.modeling import MarathonForCausalLM
@@ -170,7 +186,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     w, a = (2, 2) if bf16 else (4, 4)
     weights = P * w // (dp if zero_stage >= 3 else 1)
     grads = P * w // (dp if zero_stage >= 2 else 1)
-    optimizer = P * (8 + (8 if bf16 else 0)) // (dp if zero_stage >= 1 else 1)
+    optimizer = P * (8 + (4 if bf16 else 0)) // (dp if zero_stage >= 1 else 1)
+    step_grads = _step_grads(P, zero_stage, dp) if bf16 else 0
     D, kinds = c.hidden_size, c.layer_kinds
     blocks = -(-len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0  # blocks started
     H, K, V = c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
@@ -182,11 +199,13 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     mla = T * heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2 + 4 * T * D * a
     head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * D * a
     # + the gradients of the completed attention-residual blocks, which accumulate through the whole backward
-    transient = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe, head) + blocks * T * D * a
+    layer = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe) + blocks * T * D * a
     halves = 0 if offload else 2 * len(kinds) - blocks
     L = len(kinds)
     k = checkpointed_layers(L, T, checkpointing, recompute_min_tokens, recompute_layers)
-    saved = (halves + blocks) * T * D * a * k // L + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
+    checkpointed = (halves + blocks) * T * D * a * k // L
+    saved = checkpointed + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
+    transient = max(head, checkpointed + layer - saved, step_grads - saved)  # forward's end, a backward, the step
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())
@@ -221,9 +240,11 @@ def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp:
     out = {
         "weights": P * w // (ranks if zero_stage >= 3 else 1),
         "grads": P * w // (ranks if zero_stage >= 2 else 1),
-        "optimizer": P * (8 + (8 if bf16 else 0)) // (ranks if zero_stage >= 1 else 1),
+        "optimizer": P * (8 + (4 if bf16 else 0)) // (ranks if zero_stage >= 1 else 1),
         "saved_activations": k * T * D * w + (L - k) * T * (10 * D + 3 * F) * w,
-        "transient": max(2 * T * (4 * D + 3 * F) * w, 3 * HEAD_CHUNK * config.vocab_size * 4 + T * D * w),
     }
+    step_grads = _step_grads(P, zero_stage, ranks) if bf16 else 0
+    out["transient"] = max(2 * T * (4 * D + 3 * F) * w, 3 * HEAD_CHUNK * config.vocab_size * 4 + T * D * w,
+                           step_grads - out["saved_activations"])
     out["total"] = sum(out.values())
     return out

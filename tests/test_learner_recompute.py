@@ -275,3 +275,23 @@ def test_partial_recompute_memory_lies_between_full_and_none():
                         vocab_size=256)
     saved = [learner_memory(dense, T, recompute_layers=k)["saved_activations"] for k in (4, 2, 0)]
     assert saved[0] < saved[1] < saved[2] == learner_memory(dense, T, checkpointing=False)["saved_activations"]
+
+
+def test_memory_peak_is_the_highest_moment_of_the_update():
+    """model.memory: the peak is the end of the forward (saved activations + the head's chunk) with most layers
+    kept, a recomputed layer's backward with all checkpointed, and the fp32 gradient copies exist only inside the
+    optimizer step (all of them at ZeRO 0-2, one sub-group at a time at ZeRO-3)."""
+    from model.memory import HEAD_CHUNK, ZERO3_SUB_GROUP, learner_memory_bytes
+
+    c, T = MarathonConfig.from_preset("learner-bench"), 65536
+    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * c.hidden_size * 2
+    assert learner_memory_bytes(c, T, recompute_layers=2)["transient"] == head
+    full = learner_memory_bytes(c, T)
+    assert full["transient"] > head and full["total"] < learner_memory_bytes(c, T, recompute_layers=2)["total"]
+    short = learner_memory_bytes(c, 64)  # the step's fp32 gradients outweigh a 64-token row's activations
+    P = full["weights"] // 2
+    assert full["optimizer"] == 12 * P and short["saved_activations"] + short["transient"] == 4 * P
+    z3 = learner_memory_bytes(c, 64, zero_stage=3)
+    assert z3["saved_activations"] + z3["transient"] == 4 * min(P, ZERO3_SUB_GROUP)
+    fp32 = learner_memory_bytes(c, 64, bf16=False)
+    assert fp32["optimizer"] == 8 * P and fp32["transient"] < 4 * P
