@@ -12,8 +12,9 @@
              parts compiled as ``learner.compile`` runs them (``--eager``: not): forward and backward ms and the
              profiler's top kernels of one forward + backward, per kind
     step     the learner's optimizer step alone (``engine.step()`` of its DeepSpeed bf16 engine: gradient norm,
-             clipping, AdamW on the fp32 master weights, the bf16 copy back), wall and device ms with its top
-             kernels, beside one fused AdamW step over a flat fp32 tensor of as many parameters (the floor)
+             clipping, AdamW on the fp32 master weights, the bf16 copy back) at each ZeRO stage of
+             ``--zero-stages``, wall and device ms with its top kernels and memory, beside one fused AdamW step
+             over a flat fp32 tensor of as many parameters (the floor)
 
     python3 benchmarks/learner/gpu_probe.py memory head moe profile --out $OUT/probe
 """
@@ -276,9 +277,12 @@ def probe_profile(model, device, T: int) -> dict:
     return out
 
 
-def probe_step(model, device: torch.device, repeats: int = 3) -> dict:
-    """The learner's optimizer step on the preset (``learner.engine.ds_config``, ZeRO-0, bf16), after a backward
-    of a short row, against the floor: torch's fused AdamW on one flat fp32 tensor of the same size."""
+def probe_step(build, device: torch.device, stages: list[int], repeats: int = 3) -> dict:
+    """The learner's optimizer step on the preset (``learner.engine.ds_config``, bf16 on CUDA) at each ZeRO stage
+    of ``stages`` (one rank: nothing is sharded, but each stage has its own DeepSpeed wrapper: ZeRO-0 a
+    per-parameter one, 1-2 flat fp32 partitions), each on a fresh model from ``build()`` after a backward of a
+    short row: step wall / device ms, launches, top kernels, the states held and the step's peak; against the
+    floor: torch's fused AdamW on one flat fp32 tensor of as many parameters."""
     import deepspeed
 
     from configs.schema import LearnerSection
@@ -286,38 +290,48 @@ def probe_step(model, device: torch.device, repeats: int = 3) -> dict:
     from learner.engine import ds_config
 
     init_distributed(1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in params)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
-                                           config=ds_config(LearnerSection(dtype="bfloat16"), 0))
-    ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
+    cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32")
+    out = {}
+    for stage in stages:
+        model = build()
+        params = [p for p in model.parameters() if p.requires_grad]
+        n = sum(p.numel() for p in params)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(cfg, stage))
+        ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
 
-    def backward():
-        engine.backward(engine(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean())
-        _sync(device)
+        def backward():
+            engine.backward(engine(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean())
+            _sync(device)
 
-    wall = []
-    for _ in range(repeats + 1):  # the first step also builds the optimizer state
-        backward()
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(device)
-        wall.append((time.perf_counter() - t0) * 1e3)
-    out = {"params": n, "step_ms": statistics.median(wall[1:]), "first_step_ms": wall[0]}
-    if device.type == "cuda":
-        backward()
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
+        wall = []
+        for _ in range(repeats + 1):  # the first step also builds the optimizer state
+            backward()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
             engine.step()
-            torch.cuda.synchronize()
-        # device_ms also counts GPU annotation ranges (Optimizer.step#AdamW.step) over their kernels
-        events = [e for e in _device_events(prof) if e.self_device_time_total > 0]
-        out.update(device_ms=sum(e.self_device_time_total for e in events) / 1e3,
-                   launches=sum(e.count for e in events), top_kernels=_top_kernels(prof, 20))
-    del engine, params
-    gc.collect()  # the engine's fp32 master weights, gradients and moments
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+            _sync(device)
+            wall.append((time.perf_counter() - t0) * 1e3)
+        row = {"params": n, "step_ms": statistics.median(wall[1:]), "first_step_ms": wall[0]}
+        if device.type == "cuda":
+            row.update(step_peak_gib=torch.cuda.max_memory_allocated() / GiB,
+                       held_after_step_gib=torch.cuda.memory_allocated() / GiB)
+            backward()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            # device_ms also counts GPU annotation ranges (Optimizer.step#AdamW.step) over their kernels
+            events = [e for e in _device_events(prof) if e.self_device_time_total > 0]
+            row.update(device_ms=sum(e.self_device_time_total for e in events) / 1e3,
+                       launches=sum(e.count for e in events), top_kernels=_top_kernels(prof, 20))
+        print(json.dumps({"zero_stage": stage, **{k: v for k, v in row.items() if k != "top_kernels"}}), flush=True)
+        out[f"zero{stage}"] = row
+        engine.destroy()
+        del engine, model, params
+        gc.collect()  # the engine's fp32 master weights, gradients and moments
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     flat = torch.zeros(n, dtype=torch.float32, device=device, requires_grad=True)
     flat.grad = torch.randn_like(flat)
     adam = torch.optim.AdamW([flat], lr=1e-6, fused=device.type == "cuda")
@@ -389,6 +403,7 @@ def main() -> int:
     ap.add_argument("--moe-tokens", type=int, default=65536)
     ap.add_argument("--profile-tokens", type=int, default=65536, help="profile, layers: tokens in the packed row")
     ap.add_argument("--eager", action="store_true", help="layers: do not compile the token-local parts")
+    ap.add_argument("--zero-stages", default="0", help="step: the DeepSpeed ZeRO stages to time (0,1,2)")
     ap.add_argument("--out", default="benchmarks/learner/probe")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -408,8 +423,9 @@ def main() -> int:
             results[probe] = probe_moe(model, device, args.moe_tokens)
         elif probe == "layers":
             results[probe] = probe_layers(model, device, args.profile_tokens, compiled=not args.eager)
-        elif probe == "step":  # last: the engine takes the model over
-            results[probe] = probe_step(model, device)
+        elif probe == "step":  # last, on fresh models: an engine takes its model over
+            del model
+            results[probe] = probe_step(lambda: _model(args.preset, device), device, ints(args.zero_stages))
         else:
             results[probe] = probe_profile(model, device, args.profile_tokens)
         print(f"=== {probe}: {time.perf_counter() - t0:.0f}s", flush=True)

@@ -130,13 +130,14 @@ for group in "$@"; do
     steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS,
         # with each logprob head in HEADS (fused, the default, and/or checkpointed); TOKENS (default 65536) in rows
         # of at most MB_TOKENS (default 65536): TOKENS=262144 is one update of 5 micro-batches (4 of ~64K);
-        # BENCH_ARGS: more flags for the bench (`--layer-times-max-tokens 0`: no per-layer times, ~a minute less)
+        # ZERO_STAGE (default 0): the learner's DeepSpeed ZeRO stage; BENCH_ARGS: more flags for the bench
+        # (`--layer-times-max-tokens 0`: no per-layer times, ~a minute less)
         for n in ${RECOMPUTE_LAYERS:-3}; do
             for head in ${HEADS:-fused}; do
                 flag=(); [[ $head == checkpointed ]] && flag=(--checkpointed-head)
                 step steady-partial-$n-$head "${STEADY_S:-150}" python3 -m marathon.commands.bench_learner --layouts hybrid \
                     --compile "${flag[@]}" --recompute-layers "$n" --tokens "${TOKENS:-65536}" \
-                    --micro-batch-tokens "${MB_TOKENS:-65536}" --single 0 --max-step-s 120 \
+                    --micro-batch-tokens "${MB_TOKENS:-65536}" --single 0 --max-step-s 120 --zero-stage "${ZERO_STAGE:-0}" \
                     --out "$OUT/steady-partial-$n-$head" ${BENCH_ARGS:-}
             done
         done ;;
@@ -170,14 +171,16 @@ for group in "$@"; do
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
     step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
-        step step-probe 150 python3 benchmarks/learner/gpu_probe.py step --out "$OUT/step-probe" ;;
+        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. 0,1,2)
+        step step-probe 150 python3 benchmarks/learner/gpu_probe.py step --zero-stages "${ZERO_STAGES:-0}" \
+            --out "$OUT/step-probe" ;;
     layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
         step layers 200 python3 benchmarks/learner/gpu_probe.py layers --out "$OUT/layers" ;;
     probe-1m)
         step probe-1m 170 python3 benchmarks/learner/gpu_probe.py memory moe --lengths 1048576 \
             --mla-lengths 1048576 --segments 262144 --out "$OUT/probe-1m" ;;
-    single)
-        step single 420 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens "" --single 1048576 \
+    single)  # one update of a single episode of SINGLE tokens (default 1048576)
+        step single 420 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens "" --single "${SINGLE:-1048576}" \
             --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --out "$OUT/single" ;;
     steady)
         step steady 420 python3 -m marathon.commands.bench_learner --layouts hybrid,global --tokens 16384,65536 \

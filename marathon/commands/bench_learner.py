@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a checkpointed row, checkpoint only the first N decoder layers; the later ones keep "
                              "their activations (learner.recompute_layers; default: every layer; 0: none; auto: per "
                              "row, the fewest whose predicted peak fits in 95%% of the device's memory)")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2],
+                        help="DeepSpeed ZeRO stage of the one-rank learner (learner.zero_stage): nothing is sharded "
+                             "on one rank, but 1 and 2 step on flat fp32 partitions where 0 steps per parameter")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--checkpointed-head", action="store_true",
@@ -273,7 +276,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                              offload_activations_tokens=args.offload_tokens or None,
                              recompute_min_tokens=args.recompute_min_tokens,
                              recompute_layers=args.recompute_layers,
-                             compile=args.compile, fused_head=not args.checkpointed_head,
+                             compile=args.compile, fused_head=not args.checkpointed_head, zero_stage=args.zero_stage,
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
         print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
@@ -307,7 +310,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         if args.recompute_layers is not None:
             row["recomputed_layers"] = recomputed
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
-        predicted = learner_memory_bytes(config, row_tokens, zero_stage=0, checkpointing=True, offload=row["offload"],
+        predicted = learner_memory_bytes(config, row_tokens, zero_stage=args.zero_stage, checkpointing=True,
+                                         offload=row["offload"],
                                          recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile,
                                          recompute_layers=layers)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
@@ -386,7 +390,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
                 if k == "auto" else f" of the first {k} decoder layer(s)")
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
              + (", token-local modules compiled" if meta.get("compile") else "")
-             + (", head gradients in its forward" if meta.get("fused_head") else "") + ").", "",
+             + (", head gradients in its forward" if meta.get("fused_head") else "")
+             + (f", ZeRO-{z}" if (z := meta.get("zero_stage")) else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
              "collate / decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -436,7 +441,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
-            "fused_head": not args.checkpointed_head,
+            "fused_head": not args.checkpointed_head, "zero_stage": args.zero_stage,
             "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
