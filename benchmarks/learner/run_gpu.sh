@@ -179,9 +179,9 @@ for group in "$@"; do
     probe-1m)
         step probe-1m 170 python3 benchmarks/learner/gpu_probe.py memory moe --lengths 1048576 \
             --mla-lengths 1048576 --segments 262144 --out "$OUT/probe-1m" ;;
-    single)  # one update of a single episode of SINGLE tokens (default 1048576)
+    single)  # one update of a single episode of SINGLE tokens (default 1048576); BENCH_ARGS: more bench flags
         step single 420 python3 -m marathon.commands.bench_learner --layouts hybrid --tokens "" --single "${SINGLE:-1048576}" \
-            --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --out "$OUT/single" ;;
+            --max-step-s 100000 --repeats 1 --layer-times-max-tokens 0 --out "$OUT/single" ${BENCH_ARGS:-} ;;
     steady)
         step steady 420 python3 -m marathon.commands.bench_learner --layouts hybrid,global --tokens 16384,65536 \
             --single 262144 --max-step-s 120 --out "$OUT/steady" ;;
