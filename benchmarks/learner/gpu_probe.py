@@ -277,12 +277,13 @@ def probe_profile(model, device, T: int) -> dict:
     return out
 
 
-def probe_step(build, device: torch.device, stages: list[int], repeats: int = 3) -> dict:
+def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3) -> dict:
     """The learner's optimizer step on the preset (``learner.engine.ds_config``, bf16 on CUDA) at each ZeRO stage
     of ``stages`` (one rank: nothing is sharded, but each stage has its own DeepSpeed wrapper: ZeRO-0 a
-    per-parameter one, 1-2 flat fp32 partitions), each on a fresh model from ``build()`` after a backward of a
-    short row: step wall / device ms, launches, top kernels, the states held and the step's peak; against the
-    floor: torch's fused AdamW on one flat fp32 tensor of as many parameters."""
+    per-parameter one, 1-2 flat fp32 partitions; "1f": ZeRO-1 with fp32 gradient accumulation, DeepSpeed's
+    BF16_Optimizer), each on a fresh model from ``build()`` after a backward of a short row: step wall / device
+    ms, launches, top kernels, the states held and the step's peak; against the floor: torch's fused AdamW on one
+    flat fp32 tensor of as many parameters."""
     import deepspeed
 
     from configs.schema import LearnerSection
@@ -292,11 +293,14 @@ def probe_step(build, device: torch.device, stages: list[int], repeats: int = 3)
     init_distributed(1)
     cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32")
     out = {}
-    for stage in stages:
+    for spec in stages:
+        config = ds_config(cfg, int(spec.rstrip("f")))
+        if spec.endswith("f"):
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
         model = build()
         params = [p for p in model.parameters() if p.requires_grad]
         n = sum(p.numel() for p in params)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(cfg, stage))
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
 
         def backward():
@@ -325,8 +329,9 @@ def probe_step(build, device: torch.device, stages: list[int], repeats: int = 3)
             events = [e for e in _device_events(prof) if e.self_device_time_total > 0]
             row.update(device_ms=sum(e.self_device_time_total for e in events) / 1e3,
                        launches=sum(e.count for e in events), top_kernels=_top_kernels(prof, 20))
-        print(json.dumps({"zero_stage": stage, **{k: v for k, v in row.items() if k != "top_kernels"}}), flush=True)
-        out[f"zero{stage}"] = row
+        row["optimizer"] = type(engine.optimizer).__name__
+        print(json.dumps({"zero_stage": spec, **{k: v for k, v in row.items() if k != "top_kernels"}}), flush=True)
+        out[f"zero{spec}"] = row
         engine.destroy()
         del engine, model, params
         gc.collect()  # the engine's fp32 master weights, gradients and moments
@@ -403,7 +408,8 @@ def main() -> int:
     ap.add_argument("--moe-tokens", type=int, default=65536)
     ap.add_argument("--profile-tokens", type=int, default=65536, help="profile, layers: tokens in the packed row")
     ap.add_argument("--eager", action="store_true", help="layers: do not compile the token-local parts")
-    ap.add_argument("--zero-stages", default="0", help="step: the DeepSpeed ZeRO stages to time (0,1,2)")
+    ap.add_argument("--zero-stages", default="0",
+                    help="step: the DeepSpeed ZeRO stages to time (0,1,2; 1f: ZeRO-1 accumulating fp32 gradients)")
     ap.add_argument("--out", default="benchmarks/learner/probe")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -425,7 +431,7 @@ def main() -> int:
             results[probe] = probe_layers(model, device, args.profile_tokens, compiled=not args.eager)
         elif probe == "step":  # last, on fresh models: an engine takes its model over
             del model
-            results[probe] = probe_step(lambda: _model(args.preset, device), device, ints(args.zero_stages))
+            results[probe] = probe_step(lambda: _model(args.preset, device), device, args.zero_stages.split(","))
         else:
             results[probe] = probe_profile(model, device, args.profile_tokens)
         print(f"=== {probe}: {time.perf_counter() - t0:.0f}s", flush=True)

@@ -171,7 +171,7 @@ for group in "$@"; do
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
     step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
-        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. 0,1,2)
+        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. 0,1,2,1f: 1f accumulates fp32 gradients)
         step step-probe 150 python3 benchmarks/learner/gpu_probe.py step --zero-stages "${ZERO_STAGES:-0}" \
             --out "$OUT/step-probe" ;;
     layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
