@@ -169,13 +169,15 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
                rows run the layer segment by segment), plus the row's input, output and their gradients; the MoE
                on one expert chunk (top-k sorted copies of x, expert activations, output); gated MLA's q/k/v/out
                for one group of heads (fewer heads per group past 4 x ``LAYER_SEGMENT`` tokens) plus the row's
-               input and output), beside the checkpointed inputs and the gradients of the attention-residual
-               blocks (every later layer reads them, so theirs accumulate);
+               input and output), beside the checkpointed inputs (with ``offload``, the blocks and the one input
+               copied back for the recompute) and the gradients of the attention-residual blocks (every later layer
+               reads them, so theirs accumulate);
              - the optimizer step, all activations freed: the fp32 gradients.
     ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
     ``marathon bench learner``; not a bound. On one H100 80GB (``learner-bench``, bf16, compiled, a 64K row of 7
     episodes, ``benchmarks/learner/h100``), measured / predicted GiB with 7, 8, 9 of 12 layers recomputed:
-    73.3 / 76.2, 66.5 / 69.2, 55.9 / 58.9 (the end of the forward is the peak)."""
+    73.3 / 76.2, 66.5 / 69.2, 55.9 / 58.9 (the end of the forward is the peak); one 512K-token episode, every
+    layer recomputed, inputs offloaded, eager: 63.9 / 60.3 (a layer's backward is the peak; under by 6%)."""
     import torch
 
     from model.modeling import MarathonForCausalLM
@@ -204,8 +206,10 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     L = len(kinds)
     k = checkpointed_layers(L, T, checkpointing, recompute_min_tokens, recompute_layers)
     checkpointed = (halves + blocks) * T * D * a * k // L
+    restored = T * D * a if offload and k else 0  # an offloaded half's input, back on the device for its recompute
     saved = checkpointed + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
-    transient = max(head, checkpointed + layer - saved, step_grads - saved)  # forward's end, a backward, the step
+    # the forward's end, a recomputed layer's backward, the optimizer step
+    transient = max(head, checkpointed + restored + layer - saved, step_grads - saved)
     out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
            "transient": transient}
     out["total"] = sum(out.values())
