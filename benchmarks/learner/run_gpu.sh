@@ -130,12 +130,13 @@ for group in "$@"; do
     steady-partial)  # a 64K row compiled with only the first n of 12 layers recomputed, n in RECOMPUTE_LAYERS,
         # with each logprob head in HEADS (fused, the default, and/or checkpointed); TOKENS (default 65536) in rows
         # of at most MB_TOKENS (default 65536): TOKENS=262144 is one update of 5 micro-batches (4 of ~64K);
-        # ZERO_STAGE (default 0): the learner's DeepSpeed ZeRO stage; BENCH_ARGS: more flags for the bench
+        # ZERO_STAGE (default 0): the learner's DeepSpeed ZeRO stage; STEADY_S: its limit (default 250: a fresh
+        # machine compiles for over 190 s before the first update); BENCH_ARGS: more flags for the bench
         # (`--layer-times-max-tokens 0`: no per-layer times, ~a minute less)
         for n in ${RECOMPUTE_LAYERS:-3}; do
             for head in ${HEADS:-fused}; do
                 flag=(); [[ $head == checkpointed ]] && flag=(--checkpointed-head)
-                step steady-partial-$n-$head "${STEADY_S:-150}" python3 -m marathon.commands.bench_learner --layouts hybrid \
+                step steady-partial-$n-$head "${STEADY_S:-250}" python3 -m marathon.commands.bench_learner --layouts hybrid \
                     --compile "${flag[@]}" --recompute-layers "$n" --tokens "${TOKENS:-65536}" \
                     --micro-batch-tokens "${MB_TOKENS:-65536}" --single 0 --max-step-s 120 --zero-stage "${ZERO_STAGE:-0}" \
                     --out "$OUT/steady-partial-$n-$head" ${BENCH_ARGS:-}
