@@ -311,9 +311,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
             row["recomputed_layers"] = recomputed
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
         predicted = learner_memory_bytes(config, row_tokens, zero_stage=args.zero_stage, checkpointing=True,
-                                         offload=row["offload"],
-                                         recompute_min_tokens=args.recompute_min_tokens, compiled=args.compile,
-                                         recompute_layers=layers)
+                                         offload=row["offload"], recompute_min_tokens=args.recompute_min_tokens,
+                                         compiled=args.compile, recompute_layers=layers)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
