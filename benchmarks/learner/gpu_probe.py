@@ -283,7 +283,8 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
     per-parameter one, 1-2 flat fp32 partitions; "1f": ZeRO-1 with fp32 gradient accumulation, DeepSpeed's
     BF16_Optimizer), each on a fresh model from ``build()`` after a backward of a short row: step wall / device
     ms, launches, top kernels, the states held and the step's peak; against the floor: torch's fused AdamW on one
-    flat fp32 tensor of as many parameters."""
+    flat fp32 tensor of as many parameters. An engine's memory is not all freed when it is dropped, so a later
+    stage runs beside it: ``run_gpu.sh step-probe`` runs one process per stage."""
     import deepspeed
 
     from configs.schema import LearnerSection

@@ -172,9 +172,12 @@ for group in "$@"; do
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
     step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
-        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. 0,1,2,1f: 1f accumulates fp32 gradients)
-        step step-probe 150 python3 benchmarks/learner/gpu_probe.py step --zero-stages "${ZERO_STAGES:-0}" \
-            --out "$OUT/step-probe" ;;
+        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. "0 1 2 1f": 1f accumulates fp32 gradients), one process
+        # each (an engine's memory is not all freed in its process: the next one would run beside it)
+        for z in ${ZERO_STAGES:-0}; do
+            step step-probe-$z 120 python3 benchmarks/learner/gpu_probe.py step --zero-stages "$z" \
+                --out "$OUT/step-probe-$z"
+        done ;;
     layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
         step layers 200 python3 benchmarks/learner/gpu_probe.py layers --out "$OUT/layers" ;;
     probe-1m)
