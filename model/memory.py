@@ -136,11 +136,18 @@ def checkpointed_layers(L: int, T: int, checkpointing: bool, recompute_min_token
     return L if recompute_layers is None else min(L, recompute_layers)
 
 
-def _step_grads(P: int, zero_stage: int, ranks: int) -> int:
-    """Bytes of the fp32 gradient copies a bf16 DeepSpeed optimizer makes inside its step: all of the rank's
-    shard at ZeRO 0-2, one sub-group at a time at ZeRO-3 (``zero_optimization.sub_group_size``, 1e9 elements)."""
-    shard = P // (ranks if zero_stage >= 1 else 1)
-    return 4 * (min(shard, ZERO3_SUB_GROUP) if zero_stage == 3 else shard)
+def _states(P: int, zero_stage: int, ranks: int, bf16: bool) -> tuple[dict[str, int], int]:
+    """One rank's bytes of the ``P`` parameters' weights, gradients and optimizer state (see
+    `learner_memory_bytes`), and of the fp32 gradient copies a bf16 DeepSpeed optimizer makes inside its step: all
+    of the rank's shard at ZeRO 0-2, one sub-group at a time at ZeRO-3 (``zero_optimization.sub_group_size``, 1e9
+    elements)."""
+    w, shards = 2 if bf16 else 4, ranks if zero_stage >= 1 else 1
+    shard = P // shards
+    states = {"weights": P * w // (ranks if zero_stage >= 3 else 1),
+              "grads": P * w // (ranks if zero_stage >= 2 else 1),
+              "optimizer": P * (8 + (4 if bf16 else 0)) // shards}
+    step_grads = 4 * (min(shard, ZERO3_SUB_GROUP) if zero_stage == 3 else shard) if bf16 else 0
+    return states, step_grads
 
 
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
@@ -153,7 +160,7 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              fp32 master weights 4 P; ZeRO-1 shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients,
              ZeRO-3 also the weights. DeepSpeed's bf16 wrappers (``learner.engine.ds_config``: bf16 gradients) make
              fp32 copies of the gradients only inside the optimizer step, when the activations are gone
-             (`_step_grads`).
+             (`_states`).
     saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
@@ -185,11 +192,8 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     c, T = config, -(-tokens // cp)
     with torch.device("meta"):
         P = MarathonForCausalLM(c).parameter_counts()["total"]
-    w, a = (2, 2) if bf16 else (4, 4)
-    weights = P * w // (dp if zero_stage >= 3 else 1)
-    grads = P * w // (dp if zero_stage >= 2 else 1)
-    optimizer = P * (8 + (4 if bf16 else 0)) // (dp if zero_stage >= 1 else 1)
-    step_grads = _step_grads(P, zero_stage, dp) if bf16 else 0
+    a = 2 if bf16 else 4
+    states, step_grads = _states(P, zero_stage, dp, bf16)
     D, kinds = c.hidden_size, c.layer_kinds
     blocks = -(-len(kinds) // c.attn_residual_block_size) if c.attn_residual else 0  # blocks started
     H, K, V = c.linear_num_heads, c.linear_head_k_dim, c.linear_head_v_dim
@@ -210,8 +214,7 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     saved = checkpointed + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
     # the forward's end, a recomputed layer's backward, the optimizer step
     transient = max(head, checkpointed + restored + layer - saved, step_grads - saved)
-    out = {"weights": weights, "grads": grads, "optimizer": optimizer, "saved_activations": saved,
-           "transient": transient}
+    out = {**states, "saved_activations": saved, "transient": transient}
     out["total"] = sum(out.values())
     return out
 
@@ -241,13 +244,8 @@ def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp:
     D, L = config.hidden_size, config.num_hidden_layers
     k = checkpointed_layers(L, T, checkpointing, recompute_min_tokens, recompute_layers)
     F = getattr(config, "intermediate_size", 4 * D)
-    out = {
-        "weights": P * w // (ranks if zero_stage >= 3 else 1),
-        "grads": P * w // (ranks if zero_stage >= 2 else 1),
-        "optimizer": P * (8 + (4 if bf16 else 0)) // (ranks if zero_stage >= 1 else 1),
-        "saved_activations": k * T * D * w + (L - k) * T * (10 * D + 3 * F) * w,
-    }
-    step_grads = _step_grads(P, zero_stage, ranks) if bf16 else 0
+    states, step_grads = _states(P, zero_stage, ranks, bf16)
+    out = {**states, "saved_activations": k * T * D * w + (L - k) * T * (10 * D + 3 * F) * w}
     out["transient"] = max(2 * T * (4 * D + 3 * F) * w, 3 * HEAD_CHUNK * config.vocab_size * 4 + T * D * w,
                            step_grads - out["saved_activations"])
     out["total"] = sum(out.values())

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "row, the fewest whose predicted peak fits in 95%% of the device's memory)")
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2],
                         help="DeepSpeed ZeRO stage of the one-rank learner (learner.zero_stage): nothing is sharded "
-                             "on one rank, but 1 and 2 step on flat fp32 partitions where 0 steps per parameter")
+                             "on one rank, but each stage steps through its own DeepSpeed optimizer wrapper")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--checkpointed-head", action="store_true",
