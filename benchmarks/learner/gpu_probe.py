@@ -281,7 +281,8 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
     """The learner's optimizer step on the preset (``learner.engine.ds_config``, bf16 on CUDA) at each ZeRO stage
     of ``stages`` (one rank: nothing is sharded, but each stage has its own DeepSpeed wrapper: ZeRO-0 a
     per-parameter one, 1-2 flat fp32 partitions; "1f": ZeRO-1 with fp32 gradient accumulation, DeepSpeed's
-    BF16_Optimizer), each on a fresh model from ``build()`` after a backward of a short row: step wall / device
+    BF16_Optimizer; "0d": ZeRO-0 with DeepSpeed's own FusedAdam, which gets its flat FP16_Optimizer), each on a
+    fresh model from ``build()`` after a backward of a short row: step wall / device
     ms, launches, top kernels, the states held and the step's peak; against the floor: torch's fused AdamW on one
     flat fp32 tensor of as many parameters. An engine's memory is not all freed when it is dropped, so a later
     stage runs beside it: ``run_gpu.sh step-probe`` runs one process per stage."""
@@ -295,13 +296,18 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
     cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32")
     out = {}
     for spec in stages:
-        config = ds_config(cfg, int(spec.rstrip("f")))
-        if spec.endswith("f"):
+        config = ds_config(cfg, int(spec[0]))
+        if "f" in spec:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if "d" in spec:  # DeepSpeed's FusedAdam (its CUDA op, built on first use) instead of torch's AdamW
+            for key in ("torch_adam", "fused"):
+                config["optimizer"]["params"].pop(key)
         model = build()
         params = [p for p in model.parameters() if p.requires_grad]
         n = sum(p.numel() for p in params)
+        t0 = time.perf_counter()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        init_s = time.perf_counter() - t0
         ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
 
         def backward():
@@ -317,7 +323,7 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
             engine.step()
             _sync(device)
             wall.append((time.perf_counter() - t0) * 1e3)
-        row = {"params": n, "step_ms": statistics.median(wall[1:]), "first_step_ms": wall[0]}
+        row = {"params": n, "step_ms": statistics.median(wall[1:]), "first_step_ms": wall[0], "init_s": init_s}
         if device.type == "cuda":
             row.update(step_peak_gib=torch.cuda.max_memory_allocated() / GiB,
                        held_after_step_gib=torch.cuda.memory_allocated() / GiB)
@@ -410,7 +416,8 @@ def main() -> int:
     ap.add_argument("--profile-tokens", type=int, default=65536, help="profile, layers: tokens in the packed row")
     ap.add_argument("--eager", action="store_true", help="layers: do not compile the token-local parts")
     ap.add_argument("--zero-stages", default="0",
-                    help="step: the DeepSpeed ZeRO stages to time (0,1,2; 1f: ZeRO-1 accumulating fp32 gradients)")
+                    help="step: the DeepSpeed ZeRO stages to time (0,1,2; 1f: ZeRO-1 accumulating fp32 "
+                         "gradients; 0d: ZeRO-0 with DeepSpeed's FusedAdam)")
     ap.add_argument("--out", default="benchmarks/learner/probe")
     args = ap.parse_args()
     device = torch.device(args.device)

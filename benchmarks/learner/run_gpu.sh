@@ -39,6 +39,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # the cache comes back in parts of < 16 MiB (the device tool's limit per file): tcache.tgz.part-aa, -ab, ...
 mkdir -p .tcache && ls .tcache/tcache.tgz* >/dev/null 2>&1 && cat .tcache/tcache.tgz* | tar -xzf - -C .tcache && rm -f .tcache/tcache.tgz*
 export TRITON_CACHE_DIR=$PWD/.tcache/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.tcache/inductor
+# DeepSpeed's JIT-built ops (FusedAdam); its builder cannot parse an arch list with 9.0a in it
+export TORCH_EXTENSIONS_DIR=$PWD/.tcache/torch_extensions TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
@@ -172,10 +174,11 @@ for group in "$@"; do
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
     step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
-        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. "0 1 2 1f": 1f accumulates fp32 gradients), one process
-        # each (an engine's memory is not all freed in its process: the next one would run beside it)
+        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. "0 1 2 1f 0d": 1f accumulates fp32 gradients, 0d takes
+        # DeepSpeed's FusedAdam), one process each (an engine's memory is not all freed in its process: the next one
+        # would run beside it)
         for z in ${ZERO_STAGES:-0}; do
-            step step-probe-$z 120 python3 benchmarks/learner/gpu_probe.py step --zero-stages "$z" \
+            step step-probe-$z 240 python3 benchmarks/learner/gpu_probe.py step --zero-stages "$z" \
                 --out "$OUT/step-probe-$z"
         done ;;
     layers)  # one layer of each kind on a packed 64K row, compiled: fwd / bwd ms and its top kernels
@@ -227,6 +230,6 @@ for grp in pathlib.Path(".tcache/triton").glob("*/__grp__*.json"):
 EOF
 # its first CACHE_PARTS parts (default 3, 45 MiB) only: a call returns at most about 64 MiB, and which files it
 # leaves out is not ours to choose (the results archives must come back); a cut archive still extracts up to the cut
-tar -czf - -C .tcache triton inductor 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-"
+tar -czf - -C .tcache triton inductor torch_extensions 2>/dev/null | split -b 15M - "$OUT/tcache.tgz.part-"
 ls "$OUT"/tcache.tgz.part-* | tail -n +$((${CACHE_PARTS:-3} + 1)) | xargs -r rm -f
 ls -la "$OUT"
