@@ -125,6 +125,10 @@ class OptimizerSection(_Section):
     # torch's fused AdamW (CUDA and CPU): one fused multi-tensor pass over the fp32 master weights and both moments
     # per step, instead of foreach's chain of elementwise passes
     fused: bool = True
+    # bf16 at ZeRO-0: the learner's FlatAdamW (learner/optimizer.py: fp32 master weights in one flat buffer, no
+    # per-parameter host work, always fused) instead of DeepSpeed's per-parameter FP16_UnfusedOptimizer around
+    # torch's AdamW
+    flat: bool = True
 
 
 class LearnerSection(_Section):

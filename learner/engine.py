@@ -24,6 +24,7 @@ from learner import offload, recompute
 from learner.compile import compile_token_local
 from learner.dist import init_distributed
 from learner.logprobs import fusable_head, token_logprobs, token_loss_and_logprobs
+from learner.optimizer import FlatAdamW
 from learner.losses import policy_loss, policy_token_loss
 from learner.packing import MicroBatch, Sample, make_micro_batches
 
@@ -55,9 +56,16 @@ def learner_device() -> torch.device:
     return torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.device_name(acc.current_device()))
 
 
+def flat_adamw(cfg: LearnerSection, zero_stage: int) -> bool:
+    """Whether the learner steps with its own ``FlatAdamW`` (bf16 at ZeRO-0, ``learner.optimizer.flat``)."""
+    return cfg.optimizer.flat and cfg.dtype == "bfloat16" and zero_stage == 0
+
+
 def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
+    """DeepSpeed's config. Under `flat_adamw` the optimizer is a client one, and DeepSpeed's bf16 mode (which would
+    wrap it) and clipping are off: the model is already bf16 and ``FlatAdamW`` keeps the master weights and clips."""
     opt = cfg.optimizer
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": 1,  # one packed row (or one padded block of rows)
         "gradient_accumulation_steps": 1,  # reset per update by Learner._update
         "gradient_clipping": opt.grad_clip,
@@ -71,6 +79,16 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if flat_adamw(cfg, zero_stage):
+        del config["optimizer"]
+        config.update(gradient_clipping=0.0, bf16={"enabled": False})
+    return config
+
+
+def make_flat_adamw(cfg: LearnerSection, params: list[torch.nn.Parameter]) -> FlatAdamW:
+    opt = cfg.optimizer
+    return FlatAdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                     max_grad_norm=opt.grad_clip)
 
 
 class Learner:
@@ -122,8 +140,10 @@ class Learner:
         # (T^2 work, masked), so it gets padded micro-batches instead.
         self.packed = cfg.packing and "cu_seqlens" in self.forward_kwargs
         self.pad_id = module.config.pad_token_id or 0
+        params = [p for p in module.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config,
+            model=module, model_parameters=params, config=config,
+            optimizer=make_flat_adamw(cfg, params) if flat_adamw(cfg, zero_stage) else None,
         )
         self.engine.train()
         # the head computes its gradients in the forward (learner.logprobs.fused_head_loss); not over ZeRO-3's
@@ -223,7 +243,8 @@ class Learner:
                 self.engine.backward(loss_sum * scale)
             if k == len(mbs) - 1 and not hasattr(self.engine.optimizer, "_global_grad_norm"):
                 # a bare torch optimizer (fp32 at ZeRO-0) reports no norm: taken here, on the params' grads;
-                # DeepSpeed's wrappers (bf16, ZeRO 1-3) compute it for clipping and report it after the step
+                # DeepSpeed's wrappers (bf16, ZeRO 1-3) and FlatAdamW compute it for clipping and report it after
+                # the step
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
             if k == len(mbs) - 1 and self.layout.world_size > 1:
                 # MoE balancing statistics are all-reduced layer by layer: the same order on every rank
@@ -331,10 +352,19 @@ class Learner:
         the group's layout). Resumed by a group of the same size and layout."""
         state = {**client_state, "learner_rng": torch.get_rng_state(), "updates": self.updates}
         self.engine.save_checkpoint(str(path), tag="state", client_state=state, save_latest=False)
-        torch.save(dp.rank_state(self.layout, torch.get_rng_state()), dp.rank_state_path(path, self.layout.rank))
+        torch.save({**dp.rank_state(self.layout, torch.get_rng_state()), "optimizer": self._optimizer_kind()},
+                   dp.rank_state_path(path, self.layout.rank))
+
+    def _optimizer_kind(self) -> str:
+        return type(self.engine.optimizer).__name__
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         mine = dp.load_rank_state(path, self.layout)  # refuses another group size / layout before loading shards
+        saved = (mine or {}).get("optimizer")
+        if saved is not None and saved != self._optimizer_kind():  # their states do not convert
+            raise ValueError(f"{path}: optimizer state written by {saved}, this learner steps with "
+                             f"{self._optimizer_kind()} (learner.optimizer.flat, zero_stage, dtype): resume with the "
+                             "settings it was written with")
         _, client_state = self.engine.load_checkpoint(str(path), tag="state")
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint under {path}")

@@ -279,23 +279,25 @@ def probe_profile(model, device, T: int) -> dict:
 
 def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3) -> dict:
     """The learner's optimizer step on the preset (``learner.engine.ds_config``, bf16 on CUDA) at each ZeRO stage
-    of ``stages`` (one rank: nothing is sharded, but each stage has its own DeepSpeed wrapper: ZeRO-0 a
-    per-parameter one, 1-2 flat fp32 partitions; "1f": ZeRO-1 with fp32 gradient accumulation, DeepSpeed's
-    BF16_Optimizer; "0d": ZeRO-0 with DeepSpeed's own FusedAdam, which gets its flat FP16_Optimizer), each on a
-    fresh model from ``build()`` after a backward of a short row: step wall / device
-    ms, launches, top kernels, the states held and the step's peak; against the floor: torch's fused AdamW on one
-    flat fp32 tensor of as many parameters. An engine's memory is not all freed when it is dropped, so a later
+    of ``stages``, each on a fresh model from ``build()`` after a backward of a short row: step wall / device ms,
+    launches, top kernels, the states held and the step's peak; against the floor: torch's fused AdamW on one flat
+    fp32 tensor of as many parameters. One rank: nothing is sharded, but each stage steps through its own optimizer:
+    "0" the learner's ``FlatAdamW`` (``learner/optimizer.py``; in fp32, a bare torch AdamW), "0u" torch's AdamW in
+    DeepSpeed's per-parameter FP16_UnfusedOptimizer (``learner.optimizer.flat: false``), "0d" DeepSpeed's own
+    FusedAdam in its flat FP16_Optimizer, "1" and "2" DeepSpeed's ZeRO optimizer, "1f" ZeRO-1 with fp32 gradient
+    accumulation (DeepSpeed's BF16_Optimizer). An engine's memory is not all freed when it is dropped, so a later
     stage runs beside it: ``run_gpu.sh step-probe`` runs one process per stage."""
     import deepspeed
 
-    from configs.schema import LearnerSection
+    from configs.schema import LearnerSection, OptimizerSection
     from learner.dist import init_distributed
-    from learner.engine import ds_config
+    from learner.engine import ds_config, flat_adamw, make_flat_adamw
 
     init_distributed(1)
-    cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32")
     out = {}
     for spec in stages:
+        cfg = LearnerSection(dtype="bfloat16" if device.type == "cuda" else "float32",
+                             optimizer=OptimizerSection(flat=spec == "0"))
         config = ds_config(cfg, int(spec[0]))
         if "f" in spec:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -306,7 +308,8 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
         params = [p for p in model.parameters() if p.requires_grad]
         n = sum(p.numel() for p in params)
         t0 = time.perf_counter()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        client = make_flat_adamw(cfg, params) if flat_adamw(cfg, int(spec[0])) else None
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config, optimizer=client)
         init_s = time.perf_counter() - t0
         ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
 
@@ -416,8 +419,9 @@ def main() -> int:
     ap.add_argument("--profile-tokens", type=int, default=65536, help="profile, layers: tokens in the packed row")
     ap.add_argument("--eager", action="store_true", help="layers: do not compile the token-local parts")
     ap.add_argument("--zero-stages", default="0",
-                    help="step: the DeepSpeed ZeRO stages to time (0,1,2; 1f: ZeRO-1 accumulating fp32 "
-                         "gradients; 0d: ZeRO-0 with DeepSpeed's FusedAdam)")
+                    help="step: the optimizers to time (0: the learner's FlatAdamW; 0u: torch's AdamW in "
+                         "DeepSpeed's per-parameter bf16 wrapper; 0d: DeepSpeed's FusedAdam; 1, 2: ZeRO-1, 2; 1f: "
+                         "ZeRO-1 accumulating fp32 gradients)")
     ap.add_argument("--out", default="benchmarks/learner/probe")
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -174,9 +174,10 @@ for group in "$@"; do
     probe)
         step probe 240 python3 benchmarks/learner/gpu_probe.py memory head moe profile --out "$OUT/probe" ;;
     step-probe)  # the optimizer step alone (DeepSpeed bf16 engine) and its kernels, against a fused AdamW floor
-        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. "0 1 2 1f 0d": 1f accumulates fp32 gradients, 0d takes
-        # DeepSpeed's FusedAdam), one process each (an engine's memory is not all freed in its process: the next one
-        # would run beside it)
+        # at each ZeRO stage of ZERO_STAGES (default 0; e.g. "0 0u 0d 1 2 1f": 0 the learner's FlatAdamW, 0u torch's
+        # AdamW in DeepSpeed's per-parameter wrapper, 0d DeepSpeed's FusedAdam, 1f ZeRO-1 accumulating fp32
+        # gradients), one process each (an engine's memory is not all freed in its process: the next one would run
+        # beside it)
         for z in ${ZERO_STAGES:-0}; do
             step step-probe-$z 240 python3 benchmarks/learner/gpu_probe.py step --zero-stages "$z" \
                 --out "$OUT/step-probe-$z"

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2],
                         help="DeepSpeed ZeRO stage of the one-rank learner (learner.zero_stage): nothing is sharded "
                              "on one rank, but each stage steps through its own DeepSpeed optimizer wrapper")
+    parser.add_argument("--deepspeed-step", action="store_true",
+                        help="bf16 at ZeRO-0: step through DeepSpeed's per-parameter wrapper around torch's AdamW "
+                             "(learner.optimizer.flat: false) instead of the learner's FlatAdamW")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's token-local modules (learner.compile; learner/compile.py)")
     parser.add_argument("--checkpointed-head", action="store_true",
@@ -253,7 +256,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
 
     import torch
 
-    from configs.schema import LearnerSection, LossSection
+    from configs.schema import LearnerSection, LossSection, OptimizerSection
     from learner.engine import Learner
     from model.config import MarathonConfig
     from model.memory import checkpointed_layers, learner_memory_bytes
@@ -277,6 +280,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                              recompute_min_tokens=args.recompute_min_tokens,
                              recompute_layers=args.recompute_layers,
                              compile=args.compile, fused_head=not args.checkpointed_head, zero_stage=args.zero_stage,
+                             optimizer=OptimizerSection(flat=not args.deepspeed_step),
                              loss=LossSection(tis_cap=None, ratio_mask=None))  # every model token in the loss
         learner = Learner(tmp, cfg, seed=0)
         print(f"[{layout}] {counts['total'] / 1e9:.2f}B params ({counts['activated'] / 1e9:.2f}B activated), "
@@ -390,7 +394,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              + (f" of rows of at least {n} tokens" if (n := meta.get("recompute_min_tokens")) else "")
              + (", token-local modules compiled" if meta.get("compile") else "")
              + (", head gradients in its forward" if meta.get("fused_head") else "")
-             + (f", ZeRO-{z}" if (z := meta.get("zero_stage")) else "") + ").", "",
+             + (f", ZeRO-{z}" if (z := meta.get("zero_stage")) else "")
+             + (", DeepSpeed's per-parameter bf16 step" if meta.get("deepspeed_step") else "") + ").", "",
              "| layout | case | tokens | episodes | s | tok/s | TFLOP/s | MFU | peak GiB | predicted GiB | first s | "
              "collate / decoder fwd / bwd / opt step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -441,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
             "fused_head": not args.checkpointed_head, "zero_stage": args.zero_stage,
-            "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
+            "deepspeed_step": args.deepspeed_step, "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                              if a not in ("bench", "learner"))}
