@@ -138,9 +138,9 @@ def checkpointed_layers(L: int, T: int, checkpointing: bool, recompute_min_token
 
 def _states(P: int, zero_stage: int, ranks: int, bf16: bool) -> tuple[dict[str, int], int]:
     """One rank's bytes of the ``P`` parameters' weights, gradients and optimizer state (see
-    `learner_memory_bytes`), and of the fp32 gradient copies a bf16 DeepSpeed optimizer makes inside its step: all
-    of the rank's shard at ZeRO 0-2, one sub-group at a time at ZeRO-3 (``zero_optimization.sub_group_size``, 1e9
-    elements)."""
+    `learner_memory_bytes`), and of the fp32 gradient copies a bf16 optimizer makes inside its step (the learner's
+    flat one at ZeRO-0, DeepSpeed's at ZeRO 1-3): all of the rank's shard at ZeRO 0-2, one sub-group at a time at
+    ZeRO-3 (``zero_optimization.sub_group_size``, 1e9 elements)."""
     w, shards = 2 if bf16 else 4, ranks if zero_stage >= 1 else 1
     shard = P // shards
     states = {"weights": P * w // (ranks if zero_stage >= 3 else 1),
@@ -158,9 +158,9 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
              fp32 master weights 4 P; ZeRO-1 shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients,
-             ZeRO-3 also the weights. DeepSpeed's bf16 wrappers (``learner.engine.ds_config``: bf16 gradients) make
-             fp32 copies of the gradients only inside the optimizer step, when the activations are gone
-             (`_states`).
+             ZeRO-3 also the weights. The bf16 optimizers (``learner/optimizer.py`` at ZeRO-0, DeepSpeed's wrappers
+             at 1-3; bf16 gradients) make fp32 copies of the gradients only inside the optimizer step, when the
+             activations are gone (`_states`).
     saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
