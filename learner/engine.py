@@ -63,7 +63,8 @@ def flat_adamw(cfg: LearnerSection, zero_stage: int) -> bool:
 
 def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
     """DeepSpeed's config. Under `flat_adamw` the optimizer is a client one, and DeepSpeed's bf16 mode (which would
-    wrap it) and clipping are off: the model is already bf16 and ``FlatAdamW`` keeps the master weights and clips."""
+    wrap it) and clipping are off: the model is already bf16 and ``FlatAdamW`` keeps the master weights and clips;
+    the data-parallel all-reduce stays in bf16, as in DeepSpeed's bf16 mode (off, it would reduce in fp32)."""
     opt = cfg.optimizer
     config = {
         "train_micro_batch_size_per_gpu": 1,  # one packed row (or one padded block of rows)
@@ -81,7 +82,7 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
     }
     if flat_adamw(cfg, zero_stage):
         del config["optimizer"]
-        config.update(gradient_clipping=0.0, bf16={"enabled": False})
+        config.update(gradient_clipping=0.0, bf16={"enabled": False}, communication_data_type="bf16")
     return config
 
 

@@ -117,15 +117,17 @@ def _dp_rank(rank, model_dir):
     for s, lp in zip(samples, learner.sequence_logprobs(samples)):
         s.logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask)]
     stats = [learner.train_sft(samples, lr=1e-3), learner.train_rl(samples, lr=1e-3)]
-    return {"stats": stats, "weights": learner.get_weights(), "master": learner.engine.optimizer.masters[0].clone()}
+    return {"stats": stats, "weights": learner.get_weights(), "master": learner.engine.optimizer.masters[0].clone(),
+            "comm_dtype": str(learner.engine.communication_data_type)}
 
 
 def test_two_bf16_data_parallel_ranks_step_like_one(tiny_qwen3_dir):
-    """DeepSpeed all-reduces the bf16 gradients (its bf16 mode off under FlatAdamW); both replicas take the same
-    step, which is one rank's step on all the episodes up to the bf16 rounding of the reduced gradients."""
+    """DeepSpeed all-reduces the bf16 gradients in bf16 (its bf16 mode off under FlatAdamW); both replicas take the
+    same step, which is one rank's step on all the episodes up to the bf16 rounding of the reduced gradients."""
     from learner.dist import spawn_ranks
 
     (one,) = spawn_ranks(_dp_rank, 1, str(tiny_qwen3_dir))
+    assert one["comm_dtype"] == "torch.bfloat16"
     two = spawn_ranks(_dp_rank, 2, str(tiny_qwen3_dir))
     assert torch.equal(two[0]["master"], two[1]["master"])
     assert all(torch.equal(w, two[1]["weights"][k]) for k, w in two[0]["weights"].items())
