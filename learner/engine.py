@@ -24,8 +24,8 @@ from learner import offload, recompute
 from learner.compile import compile_token_local
 from learner.dist import init_distributed
 from learner.logprobs import fusable_head, token_logprobs, token_loss_and_logprobs
-from learner.optimizer import FlatAdamW
 from learner.losses import policy_loss, policy_token_loss
+from learner.optimizer import FlatAdamW
 from learner.packing import MicroBatch, Sample, make_micro_batches
 
 STAT_KEYS = ("tokens", "clipped", "masked", "ratio", "is_weight", "kl", "mismatch")
