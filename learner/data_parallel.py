@@ -199,13 +199,16 @@ def rank_state_path(path: str | Path, rank: int) -> Path:
     return Path(path) / f"learner_rank{rank:05d}.pt"
 
 
-def rank_state(layout: RankLayout, rng: torch.Tensor) -> dict[str, Any]:
-    return {"rank": layout.rank, "world_size": layout.world_size, "cp_size": layout.cp_size, "rng": rng}
+def rank_state(layout: RankLayout, rng: torch.Tensor, optimizer: str) -> dict[str, Any]:
+    """``optimizer``: the class stepping the weights (its saved state converts to no other)."""
+    return {"rank": layout.rank, "world_size": layout.world_size, "cp_size": layout.cp_size, "rng": rng,
+            "optimizer": optimizer}
 
 
-def load_rank_state(path: str | Path, layout: RankLayout) -> dict[str, Any] | None:
+def load_rank_state(path: str | Path, layout: RankLayout, optimizer: str) -> dict[str, Any] | None:
     """This rank's saved state; refuses a checkpoint written by a group of another size or layout (a resume needs
-    the same N: ZeRO shards are per rank). None for a checkpoint from before per-rank files."""
+    the same N: ZeRO shards are per rank), or by another optimizer class than ``optimizer``. None for a checkpoint
+    from before per-rank files."""
     p = rank_state_path(path, layout.rank)
     if not p.is_file():
         if any(Path(path).glob("learner_rank*.pt")) or layout.world_size > 1:
@@ -216,6 +219,10 @@ def load_rank_state(path: str | Path, layout: RankLayout) -> dict[str, Any] | No
     if (state["world_size"], state["cp_size"]) != (layout.world_size, layout.cp_size):
         raise ValueError(f"{path}: written by {state['world_size']} learner ranks (CP {state['cp_size']}); this group "
                          f"has {layout.world_size} (CP {layout.cp_size}): resume with the same learner layout")
+    if state.get("optimizer", optimizer) != optimizer:
+        raise ValueError(f"{path}: optimizer state written by {state['optimizer']}, this learner steps with "
+                         f"{optimizer} (learner.optimizer.flat, zero_stage, dtype): resume with the settings it was "
+                         "written with")
     return state
 
 

@@ -353,19 +353,12 @@ class Learner:
         the group's layout). Resumed by a group of the same size and layout."""
         state = {**client_state, "learner_rng": torch.get_rng_state(), "updates": self.updates}
         self.engine.save_checkpoint(str(path), tag="state", client_state=state, save_latest=False)
-        torch.save({**dp.rank_state(self.layout, torch.get_rng_state()), "optimizer": self._optimizer_kind()},
+        torch.save(dp.rank_state(self.layout, torch.get_rng_state(), type(self.engine.optimizer).__name__),
                    dp.rank_state_path(path, self.layout.rank))
 
-    def _optimizer_kind(self) -> str:
-        return type(self.engine.optimizer).__name__
-
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        mine = dp.load_rank_state(path, self.layout)  # refuses another group size / layout before loading shards
-        saved = (mine or {}).get("optimizer")
-        if saved is not None and saved != self._optimizer_kind():  # their states do not convert
-            raise ValueError(f"{path}: optimizer state written by {saved}, this learner steps with "
-                             f"{self._optimizer_kind()} (learner.optimizer.flat, zero_stage, dtype): resume with the "
-                             "settings it was written with")
+        # refuses another group size / layout / optimizer before loading shards
+        mine = dp.load_rank_state(path, self.layout, type(self.engine.optimizer).__name__)
         _, client_state = self.engine.load_checkpoint(str(path), tag="state")
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint under {path}")

@@ -6,7 +6,7 @@ import torch
 
 from configs.schema import LearnerSection, OptimizerSection
 from learner.engine import Learner
-from learner.optimizer import FlatAdamW
+from learner.optimizer import FlatAdamW, _views
 from tests.test_learner_engine import _samples
 
 
@@ -46,8 +46,7 @@ def test_flat_adamw_is_adamw_on_fp32_masters(max_norm):
         opt.step()
         assert not opt.overflow
     want = _reference_steps([torch.nn.Parameter(p) for p in start], steps, 1e-2, 0.1, max_norm)
-    views = [v.view(s) for v, s in zip(opt.masters[0].split([p.numel() for p in params]), shapes)]
-    for m, w, p in zip(views, want, params):
+    for m, w, p in zip(_views(opt.masters[0], params), want, params):
         torch.testing.assert_close(m, w.detach(), rtol=1e-6, atol=1e-6)
         assert torch.equal(p.detach(), m.to(torch.bfloat16))
 

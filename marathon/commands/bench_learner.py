@@ -446,7 +446,8 @@ def main(args: argparse.Namespace) -> int:
         peak, name = float("nan"), "cpu"
     meta = {"device": name, "torch": torch.__version__, "preset": args.preset, "compile": args.compile,
             "fused_head": not args.checkpointed_head, "zero_stage": args.zero_stage,
-            "deepspeed_step": args.deepspeed_step, "recompute_min_tokens": args.recompute_min_tokens, "recompute_layers": args.recompute_layers,
+            "deepspeed_step": args.deepspeed_step, "recompute_min_tokens": args.recompute_min_tokens,
+            "recompute_layers": args.recompute_layers,
             "peak_tflops": peak,
             "command": "marathon bench learner " + " ".join(shlex.quote(a) for a in sys.argv[1:]
                                                              if a not in ("bench", "learner"))}
