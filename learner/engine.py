@@ -129,7 +129,7 @@ class Learner:
                                      "so gather, different layers (a fixed recompute_layers: K is allowed)")
                 self.recompute_layers = cfg.recompute_layers
                 if cfg.recompute_layers == "auto":  # the memory model: this rank's states, each row's activations
-                    self.recompute_layers = recompute.auto_layers(
+                    self.recompute_layers = recompute.AutoLayers(
                         module.config, self.device, cfg.recompute_memory_fraction, zero_stage=zero_stage,
                         ranks=self.layout.world_size, bf16=dtype == torch.bfloat16, compiled=cfg.compile)
                 recompute.install(module, cfg.recompute_min_tokens, self.recompute_layers)
@@ -228,6 +228,8 @@ class Learner:
         sums: dict[str, float] = {}
         grad_norm = None
         for k, mb in enumerate(mbs):
+            if isinstance(self.recompute_layers, recompute.AutoLayers):  # the first forward runs without gradients
+                self.recompute_layers.accumulating = k > 0
             with self.on_shard(mb) as local:  # under CP: this rank's shard; `total` counts the whole rows
                 token_loss = token_loss_fn(local) if token_loss_fn is not None and self.fused_head else None
                 if token_loss is not None:

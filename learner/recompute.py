@@ -15,10 +15,12 @@ checkpointed function's owner (``fn.__self__``, the ``DecoderLayer`` of ``run(se
 numbered in order of first appearance, once for the wrapper's lifetime (the layer order is fixed), so every
 forward, and any recompute, decides alike for a layer.
 
-``layers = "auto"`` (`fitting_layers`) picks that number per row: the fewest layers whose predicted peak
+``layers = "auto"`` (`AutoLayers`) picks that number per row: the fewest layers whose predicted peak
 (``model.memory.learner_memory``, the learner's own states and the row's activations) stays under a share of the
 device's memory, all of them when none does. Rows are bucketed by length (16 buckets per power of two, rounded up),
-so the prediction runs once per bucket.
+so the prediction runs once per bucket. The learner tells it whether the micro-batch it runs accumulates into
+gradients held from earlier ones (an update's first micro-batch runs its forward with none allocated): the first
+micro-batch of an update may keep more layers than the later ones.
 
 The CP ranks of a row hold equal shards, so they decide alike (a recompute repeats the forward's collectives).
 Data-parallel replicas train different rows: under ZeRO-3, which gathers the parameters again for each recompute,
@@ -76,19 +78,29 @@ def fitting_layers(predict: Callable[[int, int], int], num_layers: int, budget: 
     return layers
 
 
-def auto_layers(config: Any, device: torch.device, fraction: float, **memory: Any) -> Callable[[int], int]:
-    """`fitting_layers` for the learner's model ``config`` (a row's tokens per rank as T; ``memory``: the other
-    arguments of ``model.memory.learner_memory``) under ``fraction`` of ``device``'s memory (host RAM on CPU)."""
-    from model.memory import learner_memory
+class AutoLayers:
+    """``layers = "auto"``: T -> the number of layers `fitting_layers` picks for the learner's model ``config`` (a
+    row's tokens per rank as T; ``memory``: the other arguments of ``model.memory.learner_memory``) under
+    ``fraction`` of ``device``'s memory (host RAM on CPU). ``accumulating``, set by the learner before each
+    micro-batch's forward and kept through its backward (a recompute decides as its forward did): whether the
+    gradients of earlier micro-batches are held beside this one's activations."""
 
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        import psutil
+    def __init__(self, config: Any, device: torch.device, fraction: float, **memory: Any):
+        from model.memory import learner_memory
 
-        total = psutil.virtual_memory().total
-    return fitting_layers(lambda T, k: learner_memory(config, T, recompute_layers=k, **memory)["total"],
-                          config.num_hidden_layers, int(fraction * total))
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            import psutil
+
+            total = psutil.virtual_memory().total
+        self.accumulating = True
+        self._pick = {held: fitting_layers(lambda T, k, held=held: learner_memory(
+            config, T, recompute_layers=k, accumulating=held, **memory)["total"], config.num_hidden_layers,
+            int(fraction * total)) for held in (False, True)}
+
+    def __call__(self, T: int) -> int:
+        return self._pick[self.accumulating](T)
 
 
 def install(module: torch.nn.Module, min_tokens: int, layers: Layers = None) -> int:

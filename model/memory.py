@@ -153,14 +153,18 @@ def _states(P: int, zero_stage: int, ranks: int, bf16: bool) -> tuple[dict[str, 
 def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 0, dp: int = 1, cp: int = 1,
                          bf16: bool = True, checkpointing: bool = True, offload: bool = False,
                          recompute_min_tokens: int = 0, compiled: bool = False,
-                         recompute_layers: int | None = None) -> dict[str, int]:
-    """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens.
+                         recompute_layers: int | None = None, accumulating: bool = True) -> dict[str, int]:
+    """Predicted peak bytes of one learner rank for a micro-batch (packed row) of ``tokens`` tokens; each part is
+    what is alive at the peak.
 
     states:  weights P * w (w = 2 in bf16, 4 in fp32), gradients P * w, optimizer: AdamW moments 8 P plus, in bf16,
              fp32 master weights 4 P; ZeRO-1 shards the optimizer over ``dp`` ranks, ZeRO-2 also the gradients,
              ZeRO-3 also the weights. The bf16 optimizers (``learner/optimizer.py`` at ZeRO-0, DeepSpeed's wrappers
              at 1-3; bf16 gradients) make fp32 copies of the gradients only inside the optimizer step, when the
-             activations are gone (`_states`).
+             activations are gone (`_states`). The gradients exist from the backward to the step: DeepSpeed sets
+             them to None after each step (its engine at ZeRO-0, its ZeRO-1/2 optimizer), so the forward of an
+             update's first micro-batch (``accumulating`` False) runs beside the head's weight gradient only; the
+             later micro-batches' beside all of them. At ZeRO-3 they are always counted.
     saved:   with activation checkpointing (per half-layer), each half's input [T, D] stays alive until the
              backward: two per layer (a block's first mixer reads the block list alone, whose completed blocks,
              the embedding first, are kept instead); with ``offload`` (``learner/offload.py``) only the blocks stay
@@ -169,7 +173,9 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
              ``learner.compile``). With ``recompute_layers`` = k (only the first k layers checkpointed), k / L of
              the checkpointed term plus what the later layers save (`layer_activations` of layers k..L-1).
     transient: what the peak adds above the saved activations, at whichever of three moments is highest:
-             - the end of the forward, every saved activation alive: the chunked LM head;
+             - the end of the forward, every saved activation alive: the chunked LM head (a chunk's fp32 logits,
+               the hidden states and their gradient; the fused head computes its gradients in the forward,
+               ``learner.logprobs.fused_head_loss``);
              - the backward of a recomputed layer, when the later layers' activations are freed: the largest
                layer's recompute + backward (a KDA layer's kernel intermediates, calibrated on the H200, and kernel
                inputs q/k/v/gate with their gradients for one segment of at most ``LAYER_SEGMENT`` tokens (longer
@@ -179,12 +185,13 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
                input and output), beside the checkpointed inputs (with ``offload``, the blocks and the one input
                copied back for the recompute) and the gradients of the attention-residual blocks (every later layer
                reads them, so theirs accumulate);
-             - the optimizer step, all activations freed: the fp32 gradients.
+             - the optimizer step, all activations freed (none counted): the fp32 gradients.
     ``tokens`` is per CP rank after dividing by ``cp``. A prediction, printed beside measurements by
     ``marathon bench learner``; not a bound. On one H100 80GB (``learner-bench``, bf16, compiled, a 64K row of 7
-    episodes, ``benchmarks/learner/h100``), measured / predicted GiB with 7, 8, 9 of 12 layers recomputed:
-    73.3 / 76.2, 66.5 / 69.2, 55.9 / 58.9 (the end of the forward is the peak); one 512K-token episode, every
-    layer recomputed, inputs offloaded, eager: 63.9 / 60.3 (a layer's backward is the peak; under by 6%)."""
+    episodes, ``benchmarks/learner/h100``), measured / predicted GiB with 7, 8, 9 of 12 layers recomputed, one
+    micro-batch (the end of the forward is the peak): 73.3 / 73.5, 66.5 / 66.4, 55.9 / 56.2 (73.7 at ZeRO-2 with 7);
+    5 micro-batches of up to 64K, 7 layers: 76.5 / 76.5; one 512K-token episode, every layer recomputed, inputs
+    offloaded, eager: 63.9 / 60.3 (a layer's backward is the peak; under by 6%)."""
     import torch
 
     from model.modeling import MarathonForCausalLM
@@ -203,7 +210,7 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     moe = te * (3 * D * a + 3 * c.moe_intermediate_size * a) + 3 * T * D * a
     heads = max(1, min(c.mla_num_heads, c.mla_num_heads * 4 * LAYER_SEGMENT // T))  # GatedMLA._heads_per_group
     mla = T * heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim) * a * 2 + 4 * T * D * a
-    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * D * a
+    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + 2 * T * D * a
     # + the gradients of the completed attention-residual blocks, which accumulate through the whole backward
     layer = max(kda if "L" in kinds else 0, mla if "G" in kinds else 0, moe) + blocks * T * D * a
     halves = 0 if offload else 2 * len(kinds) - blocks
@@ -212,16 +219,20 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     checkpointed = (halves + blocks) * T * D * a * k // L
     restored = T * D * a if offload and k else 0  # an offloaded half's input, back on the device for its recompute
     saved = checkpointed + T * sum(layer_activations(c, i, a, compiled) for i in range(k, L))
-    # the forward's end, a recomputed layer's backward, the optimizer step
-    transient = max(head, checkpointed + restored + layer - saved, step_grads - saved)
-    out = {**states, "saved_activations": saved, "transient": transient}
+    grads = states.pop("grads")
+    early = grads if accumulating or zero_stage == 3 else c.vocab_size * D * a  # alive in the forward
+    # (grads, saved activations, transient) at the forward's end, a recomputed layer's backward, the optimizer step
+    moments = [(early, saved, head), (grads, checkpointed + restored, layer), (grads, 0, step_grads)]
+    grads, saved, transient = max(moments, key=sum)
+    out = {"weights": states["weights"], "grads": grads, "optimizer": states["optimizer"],
+           "saved_activations": saved, "transient": transient}
     out["total"] = sum(out.values())
     return out
 
 
 def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp: int = 1, bf16: bool = True,
                    checkpointing: bool = True, recompute_min_tokens: int = 0, compiled: bool = False,
-                   recompute_layers: int | None = None) -> dict[str, int]:
+                   recompute_layers: int | None = None, accumulating: bool = True) -> dict[str, int]:
     """Predicted peak bytes of one rank of a learner group of ``ranks`` ranks (ZeRO shards over all of them,
     data and context parallel alike: ``learner/dist.py``) training on packed rows of ``tokens`` tokens, each cut
     over ``cp`` context-parallel ranks; any HF causal-LM config. Marathon configs use `learner_memory_bytes`;
@@ -229,12 +240,12 @@ def learner_memory(config, tokens: int, zero_stage: int = 0, ranks: int = 1, cp:
     [T, D] with checkpointing (else ~10 D + 3 F values per token and layer), one layer's recompute and the
     chunked LM head as the transient; rows of fewer than ``recompute_min_tokens`` tokens per CP rank are not
     checkpointed, and on longer rows only the first ``recompute_layers`` layers (None: all; the others keep
-    their activations); ``compiled`` (``learner.compile``) applies to Marathon configs. Keys as
-    `learner_memory_bytes`."""
+    their activations); ``compiled`` (``learner.compile``) and ``accumulating`` (gradients held in the forward)
+    apply to Marathon configs (other models' gradients are always counted). Keys as `learner_memory_bytes`."""
     if isinstance(config, MarathonConfig):
         return learner_memory_bytes(config, tokens, zero_stage, dp=ranks, cp=cp, bf16=bf16, checkpointing=checkpointing,
                                     recompute_min_tokens=recompute_min_tokens, compiled=compiled,
-                                    recompute_layers=recompute_layers)
+                                    recompute_layers=recompute_layers, accumulating=accumulating)
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -136,6 +136,24 @@ def test_auto_learner_keeps_a_tiny_row_whole(tiny_marathon_dir, one_thread):
     assert stats["loss"] == stats["loss"]  # finite
 
 
+def test_auto_learner_decides_the_first_micro_batch_without_gradients(tiny_marathon_dir, one_thread):
+    """The learner tells ``recompute_layers: auto`` which micro-batch of an update runs: the first (no gradients
+    held yet) and the later ones are decided apart, and a recompute decides as its forward did."""
+    from learner.engine import Learner
+
+    learner = Learner(tiny_marathon_dir, LearnerSection(micro_batch_tokens=64, gradient_checkpointing=True,
+                                                        recompute_layers="auto"))
+    auto, L = learner.recompute_layers, learner.module.config.num_hidden_layers
+    assert isinstance(auto, recompute.AutoLayers)
+    auto._pick = {False: lambda T: 0, True: lambda T: L}  # the first micro-batch keeps every layer, later ones none
+    calls = []
+    learner.module.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *_: calls.append(auto.accumulating) if torch.is_grad_enabled() else None)
+    stats = learner.train_rl(_samples([40, 60]))  # two micro-batches of at most 64 tokens
+    assert calls == [False, True, True]  # the second micro-batch's first mixer runs again in its recompute
+    assert stats["loss"] == stats["loss"]
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_only_the_first_layers_are_recomputed_with_the_same_gradients(k, one_thread):
     """recompute_layers=k: on a checkpointed row each of the first k layers' mixers runs twice (forward, then
@@ -284,14 +302,34 @@ def test_memory_peak_is_the_highest_moment_of_the_update():
     from model.memory import HEAD_CHUNK, ZERO3_SUB_GROUP, learner_memory_bytes
 
     c, T = MarathonConfig.from_preset("learner-bench"), 65536
-    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + T * c.hidden_size * 2
+    head = 3 * HEAD_CHUNK * c.vocab_size * 4 + 2 * T * c.hidden_size * 2
     assert learner_memory_bytes(c, T, recompute_layers=2)["transient"] == head
     full = learner_memory_bytes(c, T)
     assert full["transient"] > head and full["total"] < learner_memory_bytes(c, T, recompute_layers=2)["total"]
     short = learner_memory_bytes(c, 64)  # the step's fp32 gradients outweigh a 64-token row's activations
     P = full["weights"] // 2
-    assert full["optimizer"] == 12 * P and short["saved_activations"] + short["transient"] == 4 * P
+    assert full["optimizer"] == 12 * P and full["grads"] == 2 * P
+    assert short["saved_activations"] == 0 and short["transient"] == 4 * P  # the activations are gone by the step
     z3 = learner_memory_bytes(c, 64, zero_stage=3)
     assert z3["saved_activations"] + z3["transient"] == 4 * min(P, ZERO3_SUB_GROUP)
     fp32 = learner_memory_bytes(c, 64, bf16=False)
     assert fp32["optimizer"] == 8 * P and fp32["transient"] < 4 * P
+
+
+def test_first_micro_batch_forward_runs_without_the_gradients():
+    """model.memory: an update's first micro-batch (``accumulating`` False) reaches the end of its forward with
+    only the head's weight gradient; the later ones with all gradients. The backward and the step hold them all
+    either way, and ZeRO-3 is always counted with them."""
+    from model.memory import learner_memory_bytes
+
+    c, T = MarathonConfig.from_preset("learner-bench"), 65536
+    for k in (2, 7):  # the forward's end is the peak
+        held, first = (learner_memory_bytes(c, T, recompute_layers=k, accumulating=a) for a in (True, False))
+        assert first["grads"] == c.vocab_size * c.hidden_size * 2 < held["grads"]
+        assert held["total"] - first["total"] == held["grads"] - first["grads"]
+        assert {n: v for n, v in first.items() if n not in ("grads", "total")} == \
+            {n: v for n, v in held.items() if n not in ("grads", "total")}
+    # every layer recomputed (a layer's backward is the peak), a 64-token row (the step), ZeRO-3: unchanged
+    for tokens, kwargs in ((T, {}), (64, {}), (T, {"recompute_layers": 2, "zero_stage": 3, "dp": 2})):
+        assert learner_memory_bytes(c, tokens, accumulating=False, **kwargs) == \
+            learner_memory_bytes(c, tokens, **kwargs), (tokens, kwargs)

@@ -258,6 +258,8 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
 
     from configs.schema import LearnerSection, LossSection, OptimizerSection
     from learner.engine import Learner
+    from learner.packing import plan_micro_batches
+    from learner.recompute import AutoLayers
     from model.config import MarathonConfig
     from model.memory import checkpointed_layers, learner_memory_bytes
     from model.modeling import MarathonForCausalLM
@@ -306,7 +308,11 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
                 save()
                 continue
         row_tokens = max(min(T, args.micro_batch_tokens), max(lengths))
-        choice = learner.recompute_layers  # the learner's own: k, or k(T) under auto
+        # the peak is a later micro-batch's, beside the earlier ones' gradients, when there are several
+        accumulating = len(plan_micro_batches(lengths, args.micro_batch_tokens)) > 1
+        choice = learner.recompute_layers  # the learner's own: k, or k(T) under auto (as that micro-batch decides)
+        if isinstance(choice, AutoLayers):
+            choice.accumulating = accumulating
         layers = choice(row_tokens) if callable(choice) else choice
         recomputed = checkpointed_layers(config.num_hidden_layers, row_tokens, True, args.recompute_min_tokens,
                                          layers)
@@ -316,7 +322,7 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         row["offload"] = row["checkpointed"] and bool(args.offload_tokens) and row_tokens >= args.offload_tokens
         predicted = learner_memory_bytes(config, row_tokens, zero_stage=args.zero_stage, checkpointing=True,
                                          offload=row["offload"], recompute_min_tokens=args.recompute_min_tokens,
-                                         compiled=args.compile, recompute_layers=layers)
+                                         compiled=args.compile, recompute_layers=layers, accumulating=accumulating)
         row["predicted_peak_gib"] = predicted["total"] / 2**30
         if device.type == "cuda":
             torch.cuda.synchronize()
