@@ -60,26 +60,30 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 warm_kernels() {  # warm_kernels SECONDS ROWS METHODS: compile the table's rows ROWS ("all", or indices) for each
-    # of METHODS (ours, fla), all at once: one process per row and method, fla's in FLA_SHARDS (default 3) processes
+    # of METHODS (ours, fla) in parallel: one process per row and method, fla's in FLA_SHARDS (default 3) processes
     # per row that compile a share of each kernel's autotuning configs each (fla's fp32 K=V=256 row alone compiled
-    # for 460-490 s in one process; 8 rows in 4 shards each compiled in 135 s on an H100, where 40 processes ran
-    # out of its 80 GB)
-    local i m j n t0=$SECONDS limit rows=$2 pids=()
+    # for 460-490 s in one process; 8 rows in 4 shards each compiled in 135 s on an H100), at most WARM_PROCS
+    # (default 16, the machine's cores) at once: 40 processes ran out of an H100's 80 GB, 36 out of an H200's
+    # 139 GB (session 24: 5 of fla's shards failed, and the timed table then compiled them itself)
+    local i m j n t0=$SECONDS limit rest rows=$2 pids=()
     limit=$(left "$1")
     [[ $rows == all ]] && rows=$(python3 -c "from marathon.commands.bench_kernels import SHAPES; print(*range(len(SHAPES)))")
-    echo "=== warm kernels: rows $rows x ($3) in parallel (limit ${limit}s)"
+    echo "=== warm kernels: rows $rows x ($3), ${WARM_PROCS:-16} at a time (limit ${limit}s)"
     for i in $rows; do
         for m in $3; do
             n=1; [[ $m == fla ]] && n=${FLA_SHARDS:-3}
             for ((j = 0; j < n; j++)); do
-                timeout --signal=INT "$limit" python3 -m marathon.commands.bench_kernels --shapes --warm \
+                while (($(jobs -rp | wc -l) >= ${WARM_PROCS:-16})); do wait -n; done
+                rest=$((t0 + limit - SECONDS))
+                if ((rest < 10)); then echo "=== warm kernels: row $i $m $j not started, ${rest}s left"; continue; fi
+                timeout --signal=INT "$rest" python3 -m marathon.commands.bench_kernels --shapes --warm \
                     --warm-shard "$j/$n" --shape-index "$i" --method $m --out "$OUT/kernels-warm" \
                     > "$OUT/kernels-warm-$i-$m-$j.log" 2>&1 &
                 pids+=($!)
             done
         done
     done
-    wait "${pids[@]}"  # its own processes only (tests-kernels runs the tests beside them)
+    wait "${pids[@]}" 2>/dev/null  # its own processes only (tests-kernels runs the tests beside them)
     echo "=== warm kernels: done after $((SECONDS - t0))s"; tail -q -n 1 "$OUT"/kernels-warm-*.log
     # autotuning timings taken beside the compiles pick nothing: the timed run autotunes alone on the GPU
     find .tcache/triton -name '*.autotune.json' -delete
