@@ -191,7 +191,9 @@ def learner_memory_bytes(config: MarathonConfig, tokens: int, zero_stage: int = 
     episodes, ``benchmarks/learner/h100``), measured / predicted GiB with 7, 8, 9 of 12 layers recomputed, one
     micro-batch (the end of the forward is the peak): 73.3 / 73.5, 66.5 / 66.4, 55.9 / 56.2 (73.7 at ZeRO-2 with 7);
     5 micro-batches of up to 64K, 7 layers: 76.5 / 76.5; one 512K-token episode, every layer recomputed, inputs
-    offloaded, eager: 63.9 / 60.3 (a layer's backward is the peak; under by 6%)."""
+    offloaded, eager: 63.9 / 60.3 (a layer's backward is the peak; under by 6%). On one H200 (``benchmarks/learner/
+    h200``, fifth lease), the same 64K row with 0 and 1 layers recomputed: 130.9 / 130.2, 122.6 / 122.4; one
+    1M-token episode, offloaded, eager: 102.0 / 82.3 (under by 19%: not yet traced)."""
     import torch
 
     from model.modeling import MarathonForCausalLM
