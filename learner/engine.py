@@ -86,7 +86,11 @@ def ds_config(cfg: LearnerSection, zero_stage: int) -> dict[str, Any]:
     return config
 
 
-def make_flat_adamw(cfg: LearnerSection, params: list[torch.nn.Parameter]) -> FlatAdamW:
+def client_optimizer(cfg: LearnerSection, zero_stage: int, params: list[torch.nn.Parameter]) -> FlatAdamW | None:
+    """The optimizer handed to ``deepspeed.initialize``: ``FlatAdamW`` under `flat_adamw`, else None (DeepSpeed
+    builds its own from ``ds_config``)."""
+    if not flat_adamw(cfg, zero_stage):
+        return None
     opt = cfg.optimizer
     return FlatAdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                      max_grad_norm=opt.grad_clip)
@@ -144,7 +148,7 @@ class Learner:
         params = [p for p in module.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=params, config=config,
-            optimizer=make_flat_adamw(cfg, params) if flat_adamw(cfg, zero_stage) else None,
+            optimizer=client_optimizer(cfg, zero_stage, params),
         )
         self.engine.train()
         # the head computes its gradients in the forward (learner.logprobs.fused_head_loss); not over ZeRO-3's

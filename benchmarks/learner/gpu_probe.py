@@ -291,7 +291,7 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
 
     from configs.schema import LearnerSection, OptimizerSection
     from learner.dist import init_distributed
-    from learner.engine import ds_config, flat_adamw, make_flat_adamw
+    from learner.engine import client_optimizer, ds_config
 
     init_distributed(1)
     out = {}
@@ -308,8 +308,8 @@ def probe_step(build, device: torch.device, stages: list[str], repeats: int = 3)
         params = [p for p in model.parameters() if p.requires_grad]
         n = sum(p.numel() for p in params)
         t0 = time.perf_counter()
-        client = make_flat_adamw(cfg, params) if flat_adamw(cfg, int(spec[0])) else None
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config, optimizer=client)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config,
+                                               optimizer=client_optimizer(cfg, int(spec[0]), params))
         init_s = time.perf_counter() - t0
         ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
 
