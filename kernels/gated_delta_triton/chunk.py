@@ -36,7 +36,7 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed, prec):
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
     _gate_cumsum_kernel[(NT, B * H)](g, G, lower_bound or 0.0, T, rows, H, K, GATE=lower_bound is not None, **var)
-    Aqk = torch.empty(B, T, H, CHUNK, **f32)
+    Aqk = torch.empty(B, T, H, CHUNK, device=q.device, dtype=q.dtype)  # the output and dU kernels read it so
     Akk = torch.empty(B, T, H, CHUNK, **f32)
     _pair_matrices_kernel[(CHUNK // 16, NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, rows, H, K, PREC=prec,
                                                     num_warps=4, **var)
