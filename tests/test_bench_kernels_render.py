@@ -63,3 +63,24 @@ def test_warm_shards_split_every_autotuner_configs_between_processes(monkeypatch
         monkeypatch.setattr(Autotuner, "prune_configs", original)
         bench_kernels._shard_autotuning(f"{j}/7")
         assert [c.kwargs["B"] for c in kernel.prune_configs({})] == [(1, 2, 4, 8, 16)[j % 5]]
+
+
+def test_breakdown_compare_loads_an_earlier_kernels_tree_beside_this_one(tmp_path):
+    """``breakdown.py --compare DIR`` imports DIR's kernels/ as kernels_before: its modules use each other, not
+    this tree's (before, --compare took one file whose imports reached this tree's package)."""
+    import shutil
+
+    from benchmarks.kernels.breakdown import load_before
+
+    import kernels.gated_delta_triton as now
+
+    shutil.copytree(KERNELS.parents[1] / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    init = tmp_path / "kernels" / "gated_delta_triton" / "__init__.py"
+    init.write_text(init.read_text() + '\nREVISION = "before"\n')
+    before = load_before(tmp_path)
+    assert before.REVISION == "before" and not hasattr(now, "REVISION")
+    chunk = before.chunk_gated_delta_rule_triton
+    assert chunk.__module__ == "kernels_before.gated_delta_triton.chunk"
+    assert chunk.__globals__["_output_kernel"].fn.__module__ == "kernels_before.gated_delta_triton.chunk_fwd"
+    assert now.chunk_gated_delta_rule_triton.__globals__["_output_kernel"].fn.__module__ == \
+        "kernels.gated_delta_triton.chunk_fwd"

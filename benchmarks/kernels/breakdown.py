@@ -5,13 +5,21 @@ gradient of ours (bf16 and fp32), fla's and the chunked PyTorch path (bf16) agai
 Run on the GPU machine from the repo root (fla-core carried as a wheel, see run_all.sh):
 
     python3 benchmarks/kernels/breakdown.py --tokens 65536 --check-tokens 4096 --out $OUT
+
+``--compare DIR`` also times and checks an earlier revision's kernels in the same process (``ours_before``): DIR
+holds that revision's ``kernels/`` tree, e.g. ``git archive REV kernels | tar -x -C .before`` made where git is
+(``benchmarks/learner/run_gpu.sh ab`` carries ``.before``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
+import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,7 +36,18 @@ from marathon.commands.bench_kernels import (_inputs, _packed_lengths, _rel, kda
 NAMES = ["o", "ht", "dq", "dk", "dv", "dgate", "dbeta", "dh0"]
 
 
-V1 = None  # an earlier version of kernels/gated_delta_triton.py to compare against (--compare FILE)
+V1 = None  # an earlier revision's kernels.gated_delta_triton to compare against (--compare DIR)
+
+
+def load_before(tree: Path):
+    """The ``gated_delta_triton`` package of the ``kernels/`` tree under ``tree``, imported as
+    ``kernels_before.gated_delta_triton`` (its own imports of ``kernels.`` rewritten) beside this tree's."""
+    root = Path(tempfile.mkdtemp(prefix="kernels-before-"))
+    shutil.copytree(tree / "kernels", root / "kernels_before")
+    for f in (root / "kernels_before").rglob("*.py"):
+        f.write_text(re.sub(r"\b(from|import) kernels\.", r"\1 kernels_before.", f.read_text()))
+    sys.path.insert(0, str(root))
+    return importlib.import_module("kernels_before.gated_delta_triton")
 
 
 def methods(have_fla: bool) -> dict:
@@ -65,10 +84,12 @@ def kernel_table(fn, iters: int = 5) -> list[tuple[str, float, int]]:
 
 
 def profile_methods(T: int, have_fla: bool, packed: bool = False, heads: int = 16, head_dim: int = 128,
-                    dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Each method on one row of T tokens; with ``packed`` also on the same row cut into the kernel table's ragged
-    episodes (``bench_kernels._packed_lengths``), as ``<method>_packed``."""
-    q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(1, T, heads, head_dim, dtype)]
+                    dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
+    """Each method on ``batch`` rows of T tokens; with ``packed`` (batch 1) also on the same row cut into the kernel
+    table's ragged episodes (``bench_kernels._packed_lengths``), as ``<method>_packed``."""
+    if packed and batch != 1:
+        raise ValueError("--packed profiles one row: leave --batch at 1")
+    q, k, v, raw, beta = [t.requires_grad_() for t in _inputs(batch, T, heads, head_dim, dtype)]
     do = torch.randn_like(v)
     cu = torch.tensor([0, *torch.tensor(_packed_lengths(T)).cumsum(0).tolist()], device="cuda")
     cases = [(name, fn, {}) for name, fn in methods(have_fla).items()]
@@ -138,7 +159,8 @@ def accuracy(T: int, heads: int, have_fla: bool, head_dim: int = 128) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--tokens", type=int, default=65536, help="tokens per row of the profiled rows")
+    p.add_argument("--batch", type=int, default=1, help="rows profiled at once (4 at the kernel table's first shape)")
     p.add_argument("--heads", type=int, default=16, help="heads of the profiled row")
     p.add_argument("--head-dim", type=int, default=128, help="K = V of the profiled row")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="inputs of the profiled row")
@@ -148,16 +170,13 @@ def main() -> int:
     p.add_argument("--skip", default="", help="comma list of: profile, accuracy")
     p.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     p.add_argument("--packed", action="store_true", help="also profile each method on the row cut into ragged episodes")
-    p.add_argument("--compare", help="path of an earlier kernels/gated_delta_triton.py to time and check too")
+    p.add_argument("--compare", help="a folder holding an earlier revision's kernels/ tree: its kernels are timed "
+                   "and checked too (ours_before)")
     p.add_argument("--out", default="benchmarks/kernels")
     a = p.parse_args()
     if a.compare:
-        import importlib.util
-
         global V1
-        spec = importlib.util.spec_from_file_location("gated_delta_triton_before", a.compare)
-        V1 = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(V1)
+        V1 = load_before(Path(a.compare))
     try:
         import fla  # noqa: F401
 
@@ -165,12 +184,12 @@ def main() -> int:
     except ImportError:
         have_fla = False
     skip = set(a.skip.split(","))
-    res = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "heads": a.heads, "head_dim": a.head_dim,
-           "dtype": a.dtype, "have_fla": have_fla}
+    res = {"device": torch.cuda.get_device_name(), "batch": a.batch, "tokens": a.tokens, "heads": a.heads,
+           "head_dim": a.head_dim, "dtype": a.dtype, "have_fla": have_fla}
     t0 = time.time()
     if "profile" not in skip:
         res["profile"] = profile_methods(a.tokens, have_fla, a.packed, a.heads, a.head_dim,
-                                         torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+                                         torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.batch)
         print(f"profile done {time.time() - t0:.0f}s", flush=True)
         save(res, a.out)
     if "accuracy" not in skip:

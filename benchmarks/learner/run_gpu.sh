@@ -22,6 +22,7 @@
 #   SHAPE_IDX="2 8" METHODS="ours fla" TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh fixes accuracy
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
 #   bash benchmarks/learner/run_gpu.sh layers          # where each layer kind's time goes at 64K (top kernels)
+#   bash benchmarks/learner/run_gpu.sh ab              # kernels vs an earlier revision's (.before, see the group)
 #   bash benchmarks/learner/run_gpu.sh moe-layer steady-partial  # MoE layer A/B (gather-sums); then the 64K update
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,
@@ -147,6 +148,16 @@ for group in "$@"; do
                     --micro-batch-tokens "${MB_TOKENS:-65536}" --single 0 --max-step-s 120 --zero-stage "${ZERO_STAGE:-0}" \
                     --out "$OUT/steady-partial-$n-$head" ${BENCH_ARGS:-}
             done
+        done ;;
+    ab)  # this tree's kernels against an earlier revision's, in one process per shape (.before/kernels, made where git
+        # is with `git archive REV kernels | tar -x -C .before` and carried): fwd and fwd+bwd ms and per-kernel device
+        # times of both; at the table's first shape also fla's, and every method's accuracy against fp64
+        for s in "4 8192 32 64" "1 32768 8 256" "1 65536 16 128"; do
+            read -r b t h d <<< "$s"
+            more=(--no-fla --skip accuracy); limit=100
+            ((d == 64)) && more=(--check-heads 32 --check-head-dim 64) && limit=240
+            step "ab-$h-$d" "$limit" python3 benchmarks/kernels/breakdown.py --batch "$b" --tokens "$t" --heads "$h" \
+                --head-dim "$d" --compare .before "${more[@]}" --out "$OUT/ab-$h-$d"
         done ;;
     moe-layer)  # one MoE layer at 64K: the gather-sums as PyTorch ops vs the Triton kernel, alternating in one process
         step moe-layer 150 python3 benchmarks/model/moe_layer.py --tokens 65536 --out "$OUT/moe-layer" ;;
