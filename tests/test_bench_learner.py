@@ -36,6 +36,33 @@ def test_bench_learner_runs_small_on_cpu(tmp_path):
     assert "| hybrid | packed (2 micro-batches) | 600 |" in md and "| hybrid | single | 300 |" in md
 
 
+def test_memory_trace_marks_each_half_layer_in_forward_recompute_and_backward():
+    """``--memory-trace``: every half-layer's forward end, its recompute and the start of its backward, in the
+    order they run (the memory figures themselves are the GPU's allocator's, not read on CPU)."""
+    import types
+
+    import torch
+
+    from marathon.commands.bench_learner import _memory_trace
+    from model.modeling import MarathonForCausalLM
+
+    torch.manual_seed(0)
+    model = MarathonForCausalLM(MarathonConfig.from_preset("tiny"))
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with _memory_trace(types.SimpleNamespace(module=model), torch.device("cpu")) as events:
+        model(input_ids=ids).logits.float().sum().backward()
+    halves = [(i, h) for i in range(model.config.num_hidden_layers) for h in ("mixer", "ffn")]
+    seen = {kind: [(e["layer"], e["half"]) for e in events if e["event"] == kind]
+            for kind in ("forward", "recompute", "backward")}
+    assert seen["forward"] == halves
+    assert seen["backward"] == seen["recompute"] == halves[::-1]
+    # each half's backward starts before its recompute, and the forward ends before any backward
+    assert [e["event"] for e in events][len(halves):len(halves) + 2] == ["backward", "recompute"]
+    assert all("mixer_half" not in vars(layer) for layer in model.get_decoder().layers)  # unhooked after the block
+
+
 def test_learner_memory_model_scales_as_documented():
     c = MarathonConfig.from_preset("learner-bench")
     one = learner_memory_bytes(c, 65536)

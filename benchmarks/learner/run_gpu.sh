@@ -23,6 +23,7 @@
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
 #   bash benchmarks/learner/run_gpu.sh layers          # where each layer kind's time goes at 64K (top kernels)
 #   bash benchmarks/learner/run_gpu.sh ab              # kernels vs an earlier revision's (.before, see the group)
+#   BENCH_ARGS=--memory-trace bash benchmarks/learner/run_gpu.sh single  # 1M update, memory at each half-layer
 #   bash benchmarks/learner/run_gpu.sh moe-layer steady-partial  # MoE layer A/B (gather-sums); then the 64K update
 #
 # Needs, in .whl/ (carried): deepspeed 0.19.8 (`pip wheel --no-deps deepspeed==0.19.8`), pydantic 2.14.4,

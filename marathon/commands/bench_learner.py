@@ -24,7 +24,7 @@ import math
 import shlex
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 
@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat-max-s", type=float, default=30.0, help="repeat only cases whose update took less")
     parser.add_argument("--layer-times-max-tokens", type=int, default=262144,
                         help="time each layer type on its own only on rows up to this long (0: never)")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="record memory at each half-layer's forward, recompute and backward during each case's "
+                        "first update (the memory_trace of its row)")
     parser.add_argument("--out", default="benchmarks/learner", help="output folder")
 
 
@@ -250,6 +253,50 @@ def _phase_times(learner, device):
             delattr(owner, attr)  # back to the class's methods
 
 
+@contextmanager
+def _memory_trace(learner, device):
+    """Events at each half-layer's boundaries during the block, in order: its forward's end ("forward"), the
+    backward reaching its output ("backward": the half's own backward starts), and its recompute's start inside
+    that backward ("recompute"). On the GPU each event has the memory allocated then and the peak since the event
+    before it (the allocator's peak is reset at each): where a long row's memory goes, half by half."""
+    import torch
+
+    events = []
+    cuda = device.type == "cuda"
+
+    def mark(event: str, layer: int, half: str) -> None:
+        row = {"event": event, "layer": layer, "half": half}
+        if cuda:
+            row.update(allocated_gib=torch.cuda.memory_allocated() / 2**30,
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        events.append(row)
+
+    def traced(layer: int, half: str, fn):
+        def run(*args):
+            if torch._C._current_graph_task_id() != -1:  # a recompute: marked as it starts (the checkpoint stops it
+                mark("recompute", layer, half)  # by an exception once it has what the backward needs)
+                return fn(*args)
+            out = fn(*args)
+            mark("forward", layer, half)
+            hidden = out[0] if isinstance(out, tuple) else out
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad: mark("backward", layer, half))
+            return out
+        return run
+
+    layers = learner.module.get_decoder().layers
+    for layer in layers:
+        for half in ("mixer_half", "ffn_half"):
+            setattr(layer, half, traced(layer.layer_idx, half.split("_")[0], getattr(layer, half)))
+    try:
+        yield events
+    finally:
+        for layer in layers:
+            for half in ("mixer_half", "ffn_half"):
+                delattr(layer, half)  # back to the class's methods
+
+
 def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, save) -> None:
     """Every case of one layout; ``save()`` after each, so a run cut short keeps what it measured."""
     import tempfile
@@ -329,9 +376,13 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            dt, stats = _timed_update(learner, samples, device)
+            with _memory_trace(learner, device) if args.memory_trace else nullcontext() as trace:
+                dt, stats = _timed_update(learner, samples, device)
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if trace is not None:
+                row["memory_trace"] = trace
+                row["peak_gib"] = max([row.get("peak_gib", 0.0)] + [e.get("peak_gib", 0.0) for e in trace])
             if args.repeats > 1 and dt <= args.repeat_max_s:
                 # steady state: the first update after empty_cache also pays the allocator's device mallocs
                 row["first_seconds"] = dt
