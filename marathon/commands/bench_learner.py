@@ -244,13 +244,21 @@ def _phase_times(learner, device):
             return out
         return run
 
-    for name, (owner, attr) in owners.items():
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
-    try:
+    with _wrapped({(owner, attr): lambda fn, name=name: timed(name, fn) for name, (owner, attr) in owners.items()}):
         yield times
+
+
+@contextmanager
+def _wrapped(wrappers: dict):
+    """Inside the block, each instance method ``owner.attr`` of ``wrappers`` ({(owner, attr): wrap}) is replaced
+    by ``wrap(method)``; after it, the class's methods again."""
+    for (owner, attr), wrap in wrappers.items():
+        setattr(owner, attr, wrap(getattr(owner, attr)))
+    try:
+        yield
     finally:
-        for owner, attr in owners.values():
-            delattr(owner, attr)  # back to the class's methods
+        for owner, attr in wrappers:
+            delattr(owner, attr)
 
 
 @contextmanager
@@ -285,16 +293,9 @@ def _memory_trace(learner, device):
             return out
         return run
 
-    layers = learner.module.get_decoder().layers
-    for layer in layers:
-        for half in ("mixer_half", "ffn_half"):
-            setattr(layer, half, traced(layer.layer_idx, half.split("_")[0], getattr(layer, half)))
-    try:
+    with _wrapped({(layer, f"{half}_half"): lambda fn, i=layer.layer_idx, half=half: traced(i, half, fn)
+                   for layer in learner.module.get_decoder().layers for half in ("mixer", "ffn")}):
         yield events
-    finally:
-        for layer in layers:
-            for half in ("mixer_half", "ffn_half"):
-                delattr(layer, half)  # back to the class's methods
 
 
 def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, save) -> None:
@@ -378,11 +379,11 @@ def _run_layout(layout: str, args, peak_tflops: float, device, meta_rows: list, 
         try:
             with _memory_trace(learner, device) if args.memory_trace else nullcontext() as trace:
                 dt, stats = _timed_update(learner, samples, device)
-            if device.type == "cuda":
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if device.type == "cuda":  # the trace resets the allocator's peak at each event
+                peaks = [torch.cuda.max_memory_allocated() / 2**30] + [e["peak_gib"] for e in trace or []]
+                row["peak_gib"] = max(peaks)
             if trace is not None:
                 row["memory_trace"] = trace
-                row["peak_gib"] = max([row.get("peak_gib", 0.0)] + [e.get("peak_gib", 0.0) for e in trace])
             if args.repeats > 1 and dt <= args.repeat_max_s:
                 # steady state: the first update after empty_cache also pays the allocator's device mallocs
                 row["first_seconds"] = dt
