@@ -78,16 +78,16 @@ def test_chunk_triton_matches_recurrent(dtype, tol, B, T, H, K, V, fused):
 def test_every_autotuned_config_matches_recurrent(i, dtype, tol):
     """The autotuner may pick any of its configs on another GPU or shape: each state-kernel config it offers at
     this shape and precision (its early prune; the unpipelined ones run in test_head_dim_256's fp32 autotuning)
-    and each pair-gradient config is checked on its own (config i of each list, cycling). A config that needs more shared
-    memory than the GPU has is one the autotuner skips (it times it as infinite): in fp32, where 3xTF32 stages
-    more, that ends the case; in bf16 every config must fit."""
+    and each pair-gradient and state-side config is checked on its own (config i of each list, cycling). A
+    config that needs more shared memory than the GPU has is one the autotuner skips (it times it as infinite): in
+    fp32, where 3xTF32 stages more, that ends the case; in bf16 every config must fit."""
     import triton
 
     import kernels.gated_delta_triton as gdt
     from kernels.gated_delta import recurrent_gated_delta_rule
 
     kernels = {gdt._state_fwd_kernel: gdt.STATE_CONFIGS, gdt._state_bwd_kernel: gdt.STATE_CONFIGS,
-               gdt._bwd_pair_kernel: gdt.PAIR_CONFIGS}
+               gdt._bwd_pair_kernel: gdt.PAIR_CONFIGS, gdt._bwd_state_side_kernel: gdt.SIDE_CONFIGS}
     assert max(len(c) for c in kernels.values()) <= 8  # every config is reached by some i
     inputs = make_inputs(1, 300, 2, 128, 128, seed=i)
     rounded = [x.to(dtype).double() for x in inputs[:5]] + [inputs[5].double()]

@@ -49,6 +49,7 @@ if cu is not None:
 for kern in (gdt._state_fwd_kernel, gdt._state_bwd_kernel):
     kern.configs = [triton.Config({"BV": BV}, num_warps=4, num_stages=2)]
 gdt._bwd_pair_kernel.configs = [triton.Config({"BK": BK}, num_warps=4)]
+gdt._bwd_state_side_kernel.configs = [triton.Config({"BK": BK, "BV": min(BV, 32)}, num_warps=4)]
 torch.manual_seed(T + K)
 q = F.normalize(torch.randn(B, T, H, K), dim=-1)
 k = F.normalize(torch.randn(B, T, H, K), dim=-1)

@@ -122,7 +122,7 @@ def profile_methods(T: int, have_fla: bool, packed: bool = False, heads: int = 1
 def tuned_configs() -> dict:
     """The launch configs our autotuned kernels picked (after a run)."""
     return {name: str(getattr(gdt, name).best_config) for name in ("_state_fwd_kernel", "_state_bwd_kernel",
-                                                                   "_bwd_pair_kernel")
+                                                                   "_bwd_state_side_kernel", "_bwd_pair_kernel")
             if getattr(getattr(gdt, name), "best_config", None) is not None}
 
 

@@ -37,10 +37,11 @@ Files, as flash-linear-attention lays out a kernel family: ``common.py`` (consta
 """
 
 from kernels.gated_delta_triton.chunk import chunk_gated_delta_rule_triton
-from kernels.gated_delta_triton.chunk_bwd import PAIR_CONFIGS, _bwd_pair_kernel, _state_bwd_kernel
+from kernels.gated_delta_triton.chunk_bwd import (PAIR_CONFIGS, SIDE_CONFIGS, _bwd_pair_kernel, _bwd_state_side_kernel,
+                                                  _state_bwd_kernel)
 from kernels.gated_delta_triton.chunk_fwd import STATE_CONFIGS, _state_fwd_kernel
 from kernels.gated_delta_triton.common import CHUNK, G_MIN_SAFE, float32_matmul_precision
 from kernels.gated_delta_triton.fused_recurrent import gated_delta_rule_step_triton
 
-__all__ = ["CHUNK", "G_MIN_SAFE", "PAIR_CONFIGS", "STATE_CONFIGS", "chunk_gated_delta_rule_triton",
-           "float32_matmul_precision", "gated_delta_rule_step_triton"]
+__all__ = ["CHUNK", "G_MIN_SAFE", "PAIR_CONFIGS", "SIDE_CONFIGS", "STATE_CONFIGS",
+           "chunk_gated_delta_rule_triton", "float32_matmul_precision", "gated_delta_rule_step_triton"]

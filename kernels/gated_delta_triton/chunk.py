@@ -82,9 +82,9 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, prec, saved, do,
     dq_p = torch.empty(B, T, H, K, **f32)
     dk_p = torch.empty(B, T, H, K, **f32)
     dG_p = torch.empty(B, T, H, K, **f32)
-    _bwd_state_side_kernel[(K // BK, NT, B * H)](q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG_p, dT,
-                                                dbeta, scale, T, NT, rows, H, K, V, BK, BV, PREC=prec, num_warps=4,
-                                                **var)
+    _bwd_state_side_kernel[lambda meta: (K // meta["BK"], NT, B * H)](
+        q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG_p, dT, dbeta, scale, T, NT, rows, H, K, V, PREC=prec,
+        **var)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)

@@ -96,6 +96,13 @@ def _bwd_value_kernel(v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, chunk_ro
     tl.store(dbeta + (i_b * T + t0 + o_i) * H + i_h, b_db, mask=m_t)
 
 
+# One program per (K-slice, chunk): [BT, BK] accumulators, the state read [BV, BK] at a time. In fp32 at K = V = 256
+# (3xTF32 splits each operand in two) BK = BV = 64 spilled 1,824 B a thread, BK = BV = 32 376 B (sm_90 compile,
+# benchmarks/kernels/resources.py); smaller slices read dO, dU and U once per K-slice: the autotuner picks per shape.
+SIDE_CONFIGS = [triton.Config({"BK": bk, "BV": bv}, num_warps=4) for bk, bv in ((64, 64), (64, 32), (32, 32))]
+
+
+@triton.autotune(configs=SIDE_CONFIGS, key=["H", "K", "V", "PREC"], restore_value=["dT", "dbeta"])
 @triton.jit
 def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG_p, dT, dbeta, scale, T, NT,
                            chunk_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
