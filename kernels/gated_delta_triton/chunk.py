@@ -40,7 +40,9 @@ def _forward(q, k, v, g, beta, scale, h0, store_ht, lower_bound, packed, prec):
     Akk = torch.empty(B, T, H, CHUNK, **f32)
     _pair_matrices_kernel[(CHUNK // 16, NT, B * H)](q, k, G, beta, Aqk, Akk, scale, T, rows, H, K, PREC=prec,
                                                     num_warps=4, **var)
-    Tinv = torch.empty(B, T, H, CHUNK, **f32)
+    # every use of Tinv in the forward casts it to q's dtype; the backward's fp32 dots read its 16-bit values (as fla
+    # keeps the solved Akk in k's dtype): half the bytes written here and read three times in the backward
+    Tinv = torch.empty(B, T, H, CHUNK, device=q.device, dtype=q.dtype)
     w, kd, qg = torch.empty_like(k), torch.empty_like(k), torch.empty_like(q)
     u = torch.empty_like(v)
     BV = min(64, V)

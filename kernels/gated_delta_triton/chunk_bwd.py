@@ -150,7 +150,7 @@ def _bwd_state_side_kernel(q, k, G, beta, Tinv, h, dh, U, dU, do, dq_p, dk_p, dG
     # WY input x = beta k exp(G)
     b_b = tl.load(beta + (i_b * T + t0 + o_i) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     p_A, m_a = _tile(ab, t0, t1, H * BT, 0, BT, BT)
-    b_T = tl.load(Tinv + p_A, mask=m_a, other=0.0)
+    b_T = tl.load(Tinv + p_A, mask=m_a, other=0.0).to(tl.float32)
     b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)  # [BT, BK]
     b_ke = b_k * b_eG
     b_dk += b_b[:, None] * b_eG * b_dx
@@ -173,7 +173,7 @@ def _bwd_dAkk_kernel(Tinv, dT, T, chunk_rows, H: tl.constexpr, PREC: tl.constexp
     o_i = tl.arange(0, BT)
     m_t = (t0 + o_i) < t1
     p_A = (i_b * T * H + i_h) * BT + (t0 + o_i)[:, None] * H * BT + o_i[None, :]
-    b_T = tl.load(Tinv + p_A, mask=m_t[:, None], other=0.0)
+    b_T = tl.load(Tinv + p_A, mask=m_t[:, None], other=0.0).to(tl.float32)
     b_d = tl.dot(tl.load(dT + p_A, mask=m_t[:, None], other=0.0), tl.trans(b_T), input_precision=PREC)
     b_d = -tl.dot(tl.trans(b_T), b_d, input_precision=PREC)
     tl.store(dT + p_A, tl.where(o_i[None, :] < o_i[:, None], b_d, 0.0), mask=m_t[:, None])

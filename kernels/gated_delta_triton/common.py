@@ -90,7 +90,7 @@ def _load16(A, r0, c0, n, RS: tl.constexpr):
 @triton.jit
 def _store16(X, b_x, r0, c0, n, RS: tl.constexpr):
     o = tl.arange(0, 16)
-    tl.store(X + (r0 + o)[:, None] * RS + c0 + o[None, :], b_x, mask=((r0 + o) < n)[:, None])
+    tl.store(X + (r0 + o)[:, None] * RS + c0 + o[None, :], b_x.to(X.dtype.element_ty), mask=((r0 + o) < n)[:, None])
 
 
 @triton.jit
