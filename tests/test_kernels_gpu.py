@@ -166,6 +166,12 @@ def test_grouped_mm_matches_loop(path, dtype, tol):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+# The two gather-sum cases and the 4,400-sequence row each held 21-25 GiB: beside each other and 5 more test workers
+# they ran an H100 out of memory (run_gpu.sh runs the tests with --dist loadgroup: one worker takes the group).
+BIG = pytest.mark.xdist_group("gpu-memory")
+
+
+@BIG
 @pytest.mark.parametrize("weighted", [True, False])
 def test_gather_sum_matches_reference(weighted):
     """The MoE's combine (weighted) and its dispatch's backward (not) at a 64K-token, top-4, hidden-2048 shape in
@@ -275,6 +281,7 @@ def test_packed_short_sequences(dtype, tol):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+@BIG
 def test_packed_row_of_more_sequences_and_heads_than_a_grid_axis_holds():
     """4,400 sequences of 1-3 tokens with 16 heads: 70,400 (sequence, head) programs of the state passes, over
     a CUDA grid's y limit of 65,535 (they run on one flat axis)."""

@@ -92,7 +92,7 @@ warm_kernels() {  # warm_kernels SECONDS ROWS METHODS: compile the table's rows 
 }
 
 gpu_tests() {  # TESTS_FILES: a subset of the three files
-    step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+    step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --dist loadgroup \
         ${TESTS_FILES:-tests/test_kernels_gpu.py tests/test_model_gpu.py tests/test_model_varlen.py}
 }
 
