@@ -31,7 +31,8 @@ def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, chunk_rows, H: tl.c
                           PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Rows of one 16-row sub-tile i of Aqk [BT, BT] (incl. diagonal, times scale; in q's dtype, as the output and
     dU kernels take it) and Akk [BT, BT] (strictly lower, times beta_i; fp32), as [16, K] x [K, 16] products over
-    the key blocks j <= i (the blocks above are zero), with reference row r = the sub-tile's first row:
+    the key blocks j <= i (Aqk's blocks above are zero; Akk's are left unwritten: the solve reads only the
+    blocks at and below the diagonal, and Akk dies there), with reference row r = the sub-tile's first row:
     exp(G_t - G_r) <= 1 for its rows, exp(G_r - G_j) <= 1 for keys before it and <= e^75 inside it. fp32 operands
     (tf32 on the tensor cores for 16-bit inputs). One program per sub-tile, as the pair gradients
     (_bwd_pair_kernel) are organised."""
@@ -61,10 +62,9 @@ def _pair_matrices_kernel(q, k, G, beta, Aqk, Akk, scale, T, chunk_rows, H: tl.c
         b_aqk = tl.where(m_d | (o_c[:, None] == o_c[None, :]), b_aqk, 0.0)
         tl.store(Aqk + p_a + i_j * BC, b_aqk.to(Aqk.dtype.element_ty), mask=m_a)
         tl.store(Akk + p_a + i_j * BC, tl.where(m_d, b_akk, 0.0), mask=m_a)
-    b_0 = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_j in range(i_i + 1, BT // BC):  # the blocks above the diagonal
-        tl.store(Aqk + p_a + i_j * BC, b_0.to(Aqk.dtype.element_ty), mask=m_a)
-        tl.store(Akk + p_a + i_j * BC, b_0, mask=m_a)
+    b_0 = tl.zeros([BC, BC], dtype=Aqk.dtype.element_ty)
+    for i_j in range(i_i + 1, BT // BC):  # Aqk's blocks above the diagonal (Akk's are never read)
+        tl.store(Aqk + p_a + i_j * BC, b_0, mask=m_a)
 
 
 @triton.jit
