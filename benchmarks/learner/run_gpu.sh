@@ -152,12 +152,13 @@ for group in "$@"; do
         done ;;
     ab)  # this tree's kernels against an earlier revision's, in one process per shape (.before/kernels, made where git
         # is with `git archive REV kernels | tar -x -C .before` and carried): fwd and fwd+bwd ms and per-kernel device
-        # times of both; at the table's first shape also fla's, and every method's accuracy against fp64
+        # times of both; with AB_FLA=1, at the table's first shape also fla's (its compile took 191 s on an H100)
+        # and every method's accuracy against fp64
         # (the table's first row, its slowest against fla on the H200; fp32 K=V=256, its slowest on the H100; K=V=128)
         for s in "4 8192 32 64 bf16" "1 32768 8 256 fp32" "1 65536 16 128 bf16"; do
             read -r b t h d dt <<< "$s"
             more=(--no-fla --skip accuracy); limit=120
-            ((d == 64)) && more=(--check-heads 32 --check-head-dim 64) && limit=240
+            ((d == 64 && ${AB_FLA:-0})) && more=(--check-heads 32 --check-head-dim 64) && limit=240
             step "ab-$h-$d-$dt" "$limit" python3 benchmarks/kernels/breakdown.py --batch "$b" --tokens "$t" \
                 --heads "$h" --head-dim "$d" --dtype "$dt" --compare .before "${more[@]}" --out "$OUT/ab-$h-$d-$dt"
         done ;;
