@@ -67,6 +67,25 @@ def gradients(inputs: list[torch.Tensor], read: str) -> tuple[torch.Tensor, ...]
     return torch.autograd.grad(loss, (q, k, v, raw, beta, S0))
 
 
+def chunk_inputs(rows: int, heads: int, head_dim: int, gate_mean: float, gate_std: float) -> list[torch.Tensor]:
+    """q, k (unit rows), v, gate logits ~ N(gate_mean, gate_std^2) [rows, heads, C, head_dim], beta [rows, heads, C]
+    and the initial state [rows, heads, head_dim, head_dim], fp64 (seeded)."""
+    torch.manual_seed(0)
+    shape = (rows, heads, C, head_dim)
+    x = lambda *s: torch.randn(s, dtype=F64)  # noqa: E731
+    return [F.normalize(x(*shape), dim=-1), F.normalize(x(*shape), dim=-1), x(*shape),
+            gate_std * x(*shape) + gate_mean, torch.sigmoid(x(*shape[:3])), x(rows, heads, head_dim, head_dim)]
+
+
+def changes(inputs: list[torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """{gradient: (norm-relative change when the backward reads Tinv in bf16, norm-relative change from rounding
+    the inputs to bf16)}, both against the fp32 read on the unrounded inputs."""
+    fp32_read, bf16_read = gradients(inputs, "fp32"), gradients(inputs, "bf16")
+    rounded = gradients([bf16(t) for t in inputs[:5]] + inputs[5:], "fp32")
+    rel = lambda x, y: ((x - y).norm() / y.norm()).item()  # noqa: E731
+    return {name: (rel(b, f), rel(r, f)) for name, b, f, r in zip(NAMES, bf16_read, fp32_read, rounded)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gate-mean", type=float, default=0.0, help="mean of the gate logits (g = -5 sigmoid(logit))")
@@ -75,18 +94,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     a = p.parse_args()
-    torch.manual_seed(0)
-    shape = (a.rows, a.heads, C, a.head_dim)
-    inputs = [F.normalize(torch.randn(shape, dtype=F64), dim=-1), F.normalize(torch.randn(shape, dtype=F64), dim=-1),
-              torch.randn(shape, dtype=F64), a.gate_std * torch.randn(shape, dtype=F64) + a.gate_mean,
-              torch.sigmoid(torch.randn(shape[:3], dtype=F64)), torch.randn(*shape[:2], a.head_dim, a.head_dim, dtype=F64)]
-    fp32_read, bf16_read = gradients(inputs, "fp32"), gradients(inputs, "bf16")
-    rounded = gradients([bf16(t) for t in inputs[:5]] + inputs[5:], "fp32")
-    rel = lambda x, y: ((x - y).norm() / y.norm()).item()  # noqa: E731
     print(f"gate logits ~ N({a.gate_mean}, {a.gate_std}^2): norm-relative changes of each gradient")
     print("grad    Tinv read in bf16 vs fp32    bf16 inputs vs fp64 inputs")
-    for name, b, f, r in zip(NAMES, bf16_read, fp32_read, rounded):
-        print(f"{name:6s}  {rel(b, f):27.2e}    {rel(r, f):26.2e}")
+    for name, (change, scale) in changes(chunk_inputs(a.rows, a.heads, a.head_dim, a.gate_mean, a.gate_std)).items():
+        print(f"{name:6s}  {change:27.2e}    {scale:26.2e}")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,6 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, prec, saved, do,
     dbeta = torch.empty(B, T, H, **f32)
     _bwd_value_kernel[(NT, B * H)](v, beta, Tinv, U, dU, do, dv, dAqk, dT, dbeta, T, rows, H, V, BV, PREC=prec,
                                    num_warps=4, **var)
-    BK = min(64, K)
     dq_p = torch.empty(B, T, H, K, **f32)
     dk_p = torch.empty(B, T, H, K, **f32)
     dG_p = torch.empty(B, T, H, K, **f32)
@@ -93,6 +92,7 @@ def _backward(q, k, v, g, beta, scale, h0, lower_bound, packed, prec, saved, do,
     _bwd_dAkk_kernel[(NT, B * H)](Tinv, dT, T, rows, H, PREC=prec, num_warps=4, **var)  # dT becomes dAkk
     _bwd_pair_kernel[lambda meta: (K // meta["BK"] * (CHUNK // 16), NT, B * H)](
         q, k, G, beta, dT, dAqk, dq_p, dk_p, dG_p, dq, dk, dbeta, scale, T, rows, H, K, PREC=prec, **var)
+    BK = min(64, K)
     _bwd_gate_kernel[(K // BK, NT, B * H)](g, dG_p, dg, lower_bound or 0.0, T, rows, H, K, BK,
                                            GATE=lower_bound is not None, num_warps=4, **var)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
