@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES = sorted((ROOT / "benchmarks" / "kernels" / "candidates").glob("*.patch"))
 
 CHECK = r"""
 import json, os, sys
@@ -116,6 +118,22 @@ def _interpret(case: list, **env: str) -> dict:
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not CANDIDATES, reason="no kernel change is waiting for a GPU")
+def test_kernel_candidates_still_apply_and_match_the_reference(tmp_path):
+    """The kernel changes waiting for a GPU lease (benchmarks/kernels/candidates/*.patch, applied in order, kernels
+    and their tests) still apply to this tree, and the patched kernels, with the patched check, match the reference
+    on two of the cases above: two ragged rows at K = V = 64, a packed row at K = V = 256."""
+    for part in ("kernels", "tests", "benchmarks/kernels"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "logs", "*.png"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    applied = subprocess.run(["git", "apply", *map(str, CANDIDATES)], cwd=tmp_path, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_kernels_triton_interpret.py", "-k", "2-150-2-64 or 256-256"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_gate_gradient_in_tf32_is_as_accurate_as_the_other_gradients():
