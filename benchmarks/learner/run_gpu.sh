@@ -23,6 +23,7 @@
 #   SHAPE_IDX="3 6" METHODS=ours bash benchmarks/learner/run_gpu.sh rows  # 2 rows timed on the carried caches alone
 #   bash benchmarks/learner/run_gpu.sh layers          # where each layer kind's time goes at 64K (top kernels)
 #   bash benchmarks/learner/run_gpu.sh ab              # kernels vs an earlier revision's (.before, see the group)
+#   AB_MID=.mid TESTS_FILES=tests/test_kernels_gpu.py bash benchmarks/learner/run_gpu.sh tests ab  # benchmarks/kernels/candidates
 #   BENCH_ARGS=--memory-trace bash benchmarks/learner/run_gpu.sh single  # 1M update, memory at each half-layer
 #   bash benchmarks/learner/run_gpu.sh moe-layer steady-partial  # MoE layer A/B (gather-sums); then the 64K update
 #
@@ -154,13 +155,18 @@ for group in "$@"; do
         # is with `git archive REV kernels | tar -x -C .before` and carried): fwd and fwd+bwd ms and per-kernel device
         # times of both; with AB_FLA=1, at the table's first shape also fla's (its compile took 191 s on an H100)
         # and every method's accuracy against fp64
-        # (the table's first row, its slowest against fla on the H200; fp32 K=V=256, its slowest on the H100; K=V=128)
+        # (the table's first row, its slowest against fla on the H200; fp32 K=V=256, its slowest on the H100; K=V=128);
+        # with AB_MID=DIR (another kernels/ tree, carried), also the first shape against DIR's kernels, second
         for s in "4 8192 32 64 bf16" "1 32768 8 256 fp32" "1 65536 16 128 bf16"; do
             read -r b t h d dt <<< "$s"
             more=(--no-fla --skip accuracy); limit=120
             ((d == 64 && ${AB_FLA:-0})) && more=(--check-heads 32 --check-head-dim 64) && limit=240
-            step "ab-$h-$d-$dt" "$limit" python3 benchmarks/kernels/breakdown.py --batch "$b" --tokens "$t" \
-                --heads "$h" --head-dim "$d" --dtype "$dt" --compare .before "${more[@]}" --out "$OUT/ab-$h-$d-$dt"
+            for dir in .before ${AB_MID:-}; do
+                [[ $dir != .before && $d != 64 ]] && continue
+                name=ab-$h-$d-$dt; [[ $dir != .before ]] && name=ab-mid-$h-$d-$dt && more=(--no-fla --skip accuracy)
+                step "$name" "$limit" python3 benchmarks/kernels/breakdown.py --batch "$b" --tokens "$t" \
+                    --heads "$h" --head-dim "$d" --dtype "$dt" --compare "$dir" "${more[@]}" --out "$OUT/$name"
+            done
         done ;;
     moe-layer)  # one MoE layer at 64K: the gather-sums as PyTorch ops vs the Triton kernel, alternating in one process
         step moe-layer 150 python3 benchmarks/model/moe_layer.py --tokens 65536 --out "$OUT/moe-layer" ;;
