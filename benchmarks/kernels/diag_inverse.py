@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.kernels.tinv_rounding import C, chunk_inputs  # noqa: E402
+from benchmarks.kernels.tinv_rounding import C, akk, chunk_inputs, decays  # noqa: E402
 
 F64 = torch.float64
 B = 16  # the diagonal blocks' size
@@ -32,11 +32,7 @@ B = 16  # the diagonal blocks' size
 def diagonal_blocks(inputs: list[torch.Tensor], key_norm: float) -> torch.Tensor:
     """The strictly lower 16x16 diagonal blocks of Akk = beta_i sum_c k_i k_j exp(G_i - G_j), i > j. [N, 16, 16]"""
     q, k, v, raw, beta, S0 = inputs
-    k = k * key_norm
-    G = (-5 * torch.sigmoid(raw)).cumsum(-2)  # [rows, heads, C, K]
-    causal = torch.ones(C, C, dtype=torch.bool).tril(-1)
-    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-    A = torch.einsum("...tk,...sk,...tsk->...ts", k, k, decay) * beta[..., None]  # [rows, heads, C, C]
+    A = akk(k * key_norm, beta, decays(raw)[1])  # [rows, heads, C, C]
     return torch.stack([A[..., b:b + B, b:b + B] for b in range(0, C, B)], -3).reshape(-1, B, B)
 
 

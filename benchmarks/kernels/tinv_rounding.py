@@ -47,14 +47,26 @@ class WY(torch.autograd.Function):
         return torch.tril(-(Tb.mT @ dT @ Tb.mT), -1), Tb.mT @ dW, Tr.mT @ dU, None
 
 
+def decays(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's cumulative log-decay G = cumsum(-5 sigmoid(raw)) [..., C, K] and the pair decays
+    exp(G_t - G_s) for s <= t, zero above [..., C, C, K]."""
+    G = (-5 * torch.sigmoid(raw)).cumsum(-2)
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    return G, (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+
+
+def akk(k: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Akk[t, s] = beta_t sum_c k_t k_s exp(G_t - G_s) for s < t, zero elsewhere. [..., C, C]"""
+    strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    return torch.einsum("...tk,...sk,...tsk->...ts", k, k, decay) * beta[..., None] * strict
+
+
 def gradients(inputs: list[torch.Tensor], read: str) -> tuple[torch.Tensor, ...]:
     """Gradients of <o, do> + <S1, dS> for one chunk per (row, head): q, k, v, raw [B, H, C, K], beta [B, H, C],
     S0 [B, H, K, K]."""
     q, k, v, raw, beta, S0 = [t.clone().requires_grad_() for t in inputs]
-    G = (-5 * torch.sigmoid(raw)).cumsum(-2)  # [B, H, C, K]
-    causal = torch.ones(C, C, dtype=torch.bool).tril()
-    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-    A = torch.einsum("...tk,...sk,...tsk->...ts", k, k, decay) * beta[..., None] * causal.tril(-1)  # [B, H, C, C]
+    G, decay = decays(raw)
+    A = akk(k, beta, decay)
     Aqk = torch.einsum("...tk,...sk,...tsk->...ts", q, k, decay)
     W, U = WY.apply(A, beta[..., None] * k * G.exp(), beta[..., None] * v, read)
     u = U - W @ S0
